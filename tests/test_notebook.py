@@ -1,0 +1,91 @@
+"""The notebook as a whole: its structure, and a real headless run on CPU."""
+
+import ast
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import NOTEBOOK, REPO, notebook_cells
+
+PARAMETERS = (
+    "PRECISION SEED VOCAB_SIZE MAX_STRIDE SEQ_LEN D_MODEL N_LAYERS N_HEADS FFN_HIDDEN BATCH_SIZE "
+    "TRAIN_STEPS LEARNING_RATE FP8_FORMAT AMAX_HISTORY_LEN AMAX_COMPUTE_ALGO FP8_MARGIN "
+    "EVAL_PROMPTS PROMPT_LEN GEN_TOKENS RESULTS_JSON"
+).split()
+
+# Small enough for CI, large enough to learn the task.
+SMALL = {"TRAIN_STEPS": 200, "D_MODEL": 64, "FFN_HIDDEN": 256, "EVAL_PROMPTS": 64}
+
+
+def test_one_parameters_cell_defines_exactly_the_documented_names():
+    cells = notebook_cells("parameters")
+    assert len(cells) == 1
+    tree = ast.parse("".join(cells[0]["source"]))
+    assigned = [t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
+    assert assigned == PARAMETERS
+
+
+def test_definition_cells_do_not_read_the_parameters():
+    """Functions take a RunConfig, so tests and users can call them with any values."""
+    for cell in notebook_cells("defs"):
+        names = {
+            n.id for n in ast.walk(ast.parse("".join(cell["source"]))) if isinstance(n, ast.Name)
+        }
+        assert not names & set(PARAMETERS), names & set(PARAMETERS)
+
+
+def test_saved_notebook_has_no_outputs():
+    """Outputs would have to come from a run of exactly this code; we keep none."""
+    for cell in notebook_cells():
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    commands = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    test_command = next(c.strip() for c in commands if "pytest" in c)
+    assert test_command in (REPO / ".ci" / "run").read_text()
+
+
+@pytest.fixture(scope="module")
+def headless_run(tmp_path_factory):
+    """Execute the notebook top to bottom with papermill, small parameters, on CPU."""
+    out = tmp_path_factory.mktemp("run")
+    results = out / "results.json"
+    args = [f"-p {name} {value}" for name, value in SMALL.items()]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "papermill",
+            str(NOTEBOOK),
+            str(out / "executed.ipynb"),
+            *" ".join(args).split(),
+            "-p",
+            "RESULTS_JSON",
+            str(results),
+            "--cwd",
+            str(out),
+        ],
+        check=True,
+        timeout=900,
+    )
+    return json.loads(results.read_text())
+
+
+def test_headless_run_learns_the_task(headless_run):
+    assert headless_run["train_steps"] == SMALL["TRAIN_STEPS"]
+    assert headless_run["initial_loss"] > 0.8 * math.log(100)
+    assert headless_run["final_loss"] < 0.2 * math.log(100)
+    assert headless_run["stride_token_accuracy"] >= 0.9
+
+
+def test_headless_run_reports_the_cpu_plan(headless_run):
+    assert headless_run["plan"]["backend"] == "torch"
+    assert headless_run["plan"]["precision"] == "fp32"
+    assert headless_run["device"].startswith("CPU")
+    assert headless_run["train_seconds"] > 0
