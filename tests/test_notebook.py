@@ -89,3 +89,23 @@ def test_headless_run_reports_the_cpu_plan(headless_run):
     assert headless_run["plan"]["precision"] == "fp32"
     assert headless_run["device"].startswith("CPU")
     assert headless_run["train_seconds"] > 0
+
+
+def test_headless_run_inspects_reference_fp8_state_on_cpu(headless_run):
+    state = headless_run["fp8_state"]
+    assert state["source"] == "reference"
+    per_layer = 3 + 3 + 6  # fused QKV, output projection, fc1 + fc2: input, weight, grad_output
+    assert len(state["tensors"]) == 2 * per_layer + 3  # N_LAYERS=2, plus the LM head
+    for row in state["tensors"]:
+        assert row["format"] == ("E5M2" if row["tensor"] == "grad_output" else "E4M3")
+        assert 0 < row["amax_newest"] <= row["amax_window_max"]
+        assert row["scale"] * row["scale_inv"] == pytest.approx(1.0)
+        assert row["scale"] != 1.0  # every scale has been updated from its history
+
+
+def test_headless_reference_fp8_run_learns_like_fp32(headless_run):
+    comparison = headless_run["fp8_comparison"]
+    assert (comparison["fp8_source"], comparison["high_precision"]) == ("reference", "fp32")
+    assert comparison["fp8_stride_token_accuracy"] >= 0.9
+    assert abs(comparison["final_loss_gap"]) <= 0.10
+    assert comparison["output_db"] > 20 and comparison["weight_grad_db"] > 20
