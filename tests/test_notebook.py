@@ -109,3 +109,39 @@ def test_headless_reference_fp8_run_learns_like_fp32(headless_run):
     assert comparison["fp8_stride_token_accuracy"] >= 0.9
     assert abs(comparison["final_loss_gap"]) <= 0.10
     assert comparison["output_db"] > 20 and comparison["weight_grad_db"] > 20
+
+
+def test_headless_run_records_every_section_10_experiment(headless_run):
+    experiments = headless_run["experiments"]
+    assert list(experiments) == [
+        "e4m3_vs_hybrid",
+        "amax_history",
+        "building_blocks",
+        "fp8_weights",
+        "other_recipes",
+        "benchmark",
+        "scale_up",
+    ]
+    ran = {name for name, e in experiments.items() if e["status"] == "ran"}
+    assert ran == {"e4m3_vs_hybrid", "amax_history", "benchmark", "scale_up"}
+    for name in ("building_blocks", "fp8_weights", "other_recipes"):
+        assert experiments[name]["status"] == "skipped"
+        assert "Transformer Engine" in experiments[name]["reason"]
+
+
+def test_headless_e4m3_gradients_flush_more_than_hybrids(headless_run):
+    formats = headless_run["experiments"]["e4m3_vs_hybrid"]
+    assert formats["E4M3"]["grad_flushed_pct"] > formats["HYBRID"]["grad_flushed_pct"]
+
+
+def test_headless_benchmark_rows_on_cpu(headless_run):
+    rows = headless_run["benchmark"]
+    tutorial = {r["precision"]: r for r in rows if r["d_model"] == SMALL["D_MODEL"]}
+    assert set(tutorial) == {"FP32 (PyTorch)", "FP8 reference (PyTorch)"}
+    for r in rows:
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["tflops"] > 0
+        assert r["peak_mem_mb"] is None and r["peak_share"] is None  # no GPU, no datasheet
+        expected_tokens_per_s = 32 * 32 / (r["step_ms"] / 1000)  # BATCH_SIZE x SEQ_LEN
+        assert r["tokens_per_s"] == pytest.approx(expected_tokens_per_s)
+    skipped = headless_run["experiments"]["benchmark"]["skipped"]
+    assert any(s["d_model"] == 2048 and "budget" in s["reason"] for s in skipped)
