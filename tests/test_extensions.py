@@ -16,13 +16,7 @@ def test_flop_formula_matches_pytorchs_flop_counter_on_a_real_step(nb, cfg):
     cfg = dataclasses.replace(cfg, batch_size=4)
     torch.manual_seed(0)
     model = nb.build_model(cfg, "torch", CPU)
-    tokens, _ = nb.make_stride_batch(
-        cfg.batch_size,
-        cfg.seq_len + 1,
-        cfg.vocab_size,
-        cfg.max_stride,
-        nb.seeded_generator(0, CPU),
-    )
+    tokens = nb.training_batch(cfg, nb.seeded_generator(0, CPU))
     # the math backend runs attention as matmuls, which the counter sees
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         nb.lm_loss(model, tokens, nb.contextlib.nullcontext).backward()

@@ -133,9 +133,7 @@ def tiny_model(nb, cfg):
 
 
 def fp8_step(nb, cfg, model, grad=True):
-    tokens, _ = nb.make_stride_batch(
-        cfg.batch_size, cfg.seq_len + 1, cfg.vocab_size, cfg.max_stride, nb.seeded_generator(0, CPU)
-    )
+    tokens = nb.training_batch(cfg, nb.seeded_generator(0, CPU))
     autocast = nb.make_autocast(nb.Plan("torch", nb.REFERENCE_FP8, ""), cfg, CPU)
     with torch.set_grad_enabled(grad):
         loss = nb.lm_loss(model, tokens, autocast)
