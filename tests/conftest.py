@@ -1,4 +1,4 @@
-"""Shared fixtures: the notebook's definition cells, loaded as a module."""
+"""Shared fixtures: the notebook's definition cells, loaded as a module, and small parameters."""
 
 import json
 import sys
@@ -16,6 +16,13 @@ def notebook_cells(tag=None):
     return [c for c in cells if tag is None or tag in c["metadata"].get("tags", [])]
 
 
+def notebook_parameters():
+    """The parameters cell's names and default values."""
+    values = {}
+    exec("".join(notebook_cells("parameters")[0]["source"]), values)
+    return {k: v for k, v in values.items() if not k.startswith("__")}
+
+
 def load_notebook_definitions():
     """Execute the cells tagged `defs` (imports, constants, functions, classes) as a module."""
     module = types.ModuleType("te_fp8_training")
@@ -31,27 +38,14 @@ def nb():
     return load_notebook_definitions()
 
 
+@pytest.fixture(scope="session")
+def defaults():
+    return notebook_parameters()
+
+
 @pytest.fixture
-def cfg(nb):
-    """A small, valid configuration (the notebook's defaults, scaled down)."""
-    return nb.RunConfig(
-        precision="auto",
-        seed=0,
-        vocab_size=50,
-        max_stride=4,
-        seq_len=32,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        ffn_hidden=128,
-        batch_size=16,
-        train_steps=10,
-        learning_rate=2e-3,
-        fp8_format="HYBRID",
-        amax_history_len=16,
-        amax_compute_algo="max",
-        fp8_margin=0,
-        eval_prompts=16,
-        prompt_len=4,
-        gen_tokens=8,
-    )
+def cfg(nb, defaults):
+    """A small, valid configuration: the notebook's defaults, scaled down."""
+    small = {"VOCAB_SIZE": 50, "MAX_STRIDE": 4, "D_MODEL": 64, "FFN_HIDDEN": 128, "BATCH_SIZE": 16}
+    small |= {"TRAIN_STEPS": 10, "SEED": 0, "EVAL_PROMPTS": 16, "PROMPT_LEN": 4, "GEN_TOKENS": 8}
+    return nb.check_parameters(defaults | small)

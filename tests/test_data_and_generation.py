@@ -1,16 +1,16 @@
 """The data, the stride scorer and greedy generation (with and without FP8-style padding)."""
 
-import math
-
 import torch
 
+CPU = torch.device("cpu")
 
-def gen(nb, seed=0):
-    return nb.seeded_generator(seed, torch.device("cpu"))
+
+def gen(seed=0):
+    return torch.Generator(CPU).manual_seed(seed)
 
 
 def test_batches_are_arithmetic_progressions_mod_vocab(nb):
-    tokens, strides = nb.make_stride_batch(512, 40, 23, 5, gen(nb))
+    tokens, strides = nb.make_stride_batch(512, 40, 23, 5, gen())
     assert tokens.shape == (512, 40) and strides.shape == (512,)
     assert tokens.min() >= 0 and tokens.max() < 23
     assert set(strides.tolist()) == {1, 2, 3, 4, 5}
@@ -19,33 +19,36 @@ def test_batches_are_arithmetic_progressions_mod_vocab(nb):
 
 
 def test_batches_are_reproducible_from_the_seed(nb):
-    a, _ = nb.make_stride_batch(8, 10, 50, 4, gen(nb, 7))
-    b, _ = nb.make_stride_batch(8, 10, 50, 4, gen(nb, 7))
-    c, _ = nb.make_stride_batch(8, 10, 50, 4, gen(nb, 8))
+    a, _ = nb.make_stride_batch(8, 10, 50, 4, gen(7))
+    b, _ = nb.make_stride_batch(8, 10, 50, 4, gen(7))
+    c, _ = nb.make_stride_batch(8, 10, 50, 4, gen(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_irreducible_loss_is_the_first_positions_uncertainty(nb, cfg):
-    assert nb.irreducible_loss(cfg) == math.log(cfg.max_stride) / cfg.seq_len
+def test_a_training_batch_holds_inputs_and_their_next_tokens(nb, cfg):
+    assert nb.training_batch(cfg, gen()).shape == (cfg.batch_size, cfg.seq_len + 1)
 
 
 def score(nb, prompts, continuations, vocab=10):
-    return nb.score_stride_continuations(torch.tensor(prompts), torch.tensor(continuations), vocab)
+    return nb.stride_scores(torch.tensor(prompts), torch.tensor(continuations), vocab)
 
 
-def test_scorer_accepts_the_prompts_own_progression_with_wraparound(nb):
-    result = score(nb, [[6, 8], [1, 2]], [[0, 2, 4], [3, 4, 5]])
-    assert result == {"token_accuracy": 1.0, "sequence_accuracy": 1.0}
+def test_the_scorer_accepts_the_prompts_own_progression_with_wraparound(nb):
+    assert score(nb, [[6, 8], [1, 2]], [[0, 2, 4], [3, 4, 5]]) == {
+        "token_accuracy": 1.0,
+        "sequence_accuracy": 1.0,
+    }
 
 
-def test_scorer_rejects_a_constant_step_that_is_not_the_prompts(nb):
-    result = score(nb, [[1, 3]], [[4, 5, 6]])  # constant step 1, prompt's stride is 2
+def test_the_scorer_rejects_a_constant_step_that_is_not_the_prompts(nb):
+    result = score(nb, [[1, 3]], [[4, 5, 6]])  # a constant step of 1; the prompt's stride is 2
     assert result == {"token_accuracy": 0.0, "sequence_accuracy": 0.0}
 
 
-def test_scorer_counts_tokens_and_whole_sequences(nb):
+def test_the_scorer_counts_tokens_and_whole_sequences(nb):
     result = score(nb, [[0, 1], [0, 1]], [[2, 3, 4, 5], [2, 3, 9, 5]])
     assert result == {"token_accuracy": 7 / 8, "sequence_accuracy": 0.5}
+    assert nb.describe_scores(result) == "50.0% of continuations, 87.5% of tokens"
 
 
 class StrideOracle(torch.nn.Module):
@@ -61,21 +64,29 @@ class StrideOracle(torch.nn.Module):
 
 
 def test_greedy_generation_with_a_perfect_model_scores_one(nb):
-    prompts, _ = nb.make_stride_batch(32, 5, 37, 6, gen(nb))
-    new = nb.generate_greedy(StrideOracle(37), prompts, 9, nb.contextlib.nullcontext)
+    prompts, _ = nb.make_stride_batch(32, 5, 37, 6, gen())
+    new = nb.generate_greedy(StrideOracle(37), prompts, 9, te=nb.standin)
     assert new.shape == (32, 9)
-    assert nb.score_stride_continuations(prompts, new, 37)["sequence_accuracy"] == 1.0
+    assert nb.stride_scores(prompts, new, 37)["sequence_accuracy"] == 1.0
 
 
-def test_padding_the_context_to_16_does_not_change_generation(nb, cfg):
+def test_right_padding_leaves_every_real_position_unchanged(nb, cfg):
+    """What FP8 decoding relies on: the causal mask hides the padding from earlier positions."""
     torch.manual_seed(0)
-    model = nb.build_model(cfg, "torch", torch.device("cpu"))
-    prompts, _ = nb.make_stride_batch(8, cfg.prompt_len, cfg.vocab_size, cfg.max_stride, gen(nb))
-    plain = nb.generate_greedy(model, prompts, cfg.gen_tokens, nb.contextlib.nullcontext, 1)
-    padded = nb.generate_greedy(model, prompts, cfg.gen_tokens, nb.contextlib.nullcontext, 16)
-    assert torch.equal(plain, padded)
+    model = nb.CausalLM(cfg, nb.standin, CPU)
+    prompts, _ = nb.make_stride_batch(8, 5, cfg.vocab_size, cfg.max_stride, gen())
+    with torch.no_grad():
+        plain, padded = model(prompts), model(torch.nn.functional.pad(prompts, (0, 11)))
+    torch.testing.assert_close(padded[:, :5], plain, rtol=1e-5, atol=1e-6)  # GEMM rounding only
 
 
-def test_decoding_pads_only_under_fp8(nb):
-    assert nb.decode_padding(nb.Plan("te", "fp8", "")) == 16
-    assert nb.decode_padding(nb.Plan("te", "bf16", "")) == 1
+def test_decoding_pads_the_context_to_16_only_under_fp8(nb, cfg):
+    torch.manual_seed(0)
+    model, lengths = nb.CausalLM(cfg, nb.standin, CPU), []
+    model.register_forward_pre_hook(lambda m, args: lengths.append(args[0].shape[1]))
+    prompts, _ = nb.make_stride_batch(8, cfg.prompt_len, cfg.vocab_size, cfg.max_stride, gen())
+    nb.generate_greedy(model, prompts, cfg.gen_tokens, te=nb.standin)
+    assert lengths == list(range(cfg.prompt_len, cfg.prompt_len + cfg.gen_tokens))
+    lengths.clear()
+    new = nb.generate_greedy(model, prompts, cfg.gen_tokens, nb.ReferenceRecipe(), te=nb.standin)
+    assert set(lengths) == {16} and new.shape == (8, cfg.gen_tokens)

@@ -1,89 +1,79 @@
 """The precision plan: a pure function of the hardware facts, for every runtime users have."""
 
+import re
+
 import pytest
+from conftest import REPO
 
 TE_SAYS_TOO_OLD = "Device compute capability 8.9 or higher required for FP8 execution."
 
 
-def facts(nb, device="cuda", name="GPU", capability=None, te=True, fp8=False, reason=""):
-    return nb.HardwareFacts(
-        device,
-        name,
-        capability,
-        te_version="2.20.2" if te else None,
-        te_missing_reason="" if te else "No module named 'transformer_engine'",
-        fp8_available=fp8,
-        fp8_reason=reason,
-    )
-
-
-@pytest.fixture
-def runtimes(nb):
-    return {
-        "CPU": facts(nb, device="cpu", name="CPU", te=False),
-        "T4": facts(nb, name="Tesla T4", capability=(7, 5), te=False),
-        "A100": facts(nb, name="A100", capability=(8, 0), reason=TE_SAYS_TOO_OLD),
-        "L4": facts(nb, name="L4", capability=(8, 9), fp8=True),
-        "H100": facts(nb, name="H100", capability=(9, 0), fp8=True),
-        "G4": facts(nb, name="RTX PRO 6000", capability=(12, 0), fp8=True),
-    }
-
-
 @pytest.mark.parametrize(
-    "runtime, backend, precision",
+    "runtime, precision, backend",
     [
-        ("CPU", "torch", "fp32"),
-        ("T4", "torch", "fp16"),
-        ("A100", "te", "bf16"),
-        ("L4", "te", "fp8"),
-        ("H100", "te", "fp8"),
-        ("G4", "te", "fp8"),
+        ("CPU", "fp32", "torch"),
+        ("T4", "fp16", "torch"),
+        ("A100", "bf16", "te"),
+        ("L4", "fp8", "te"),
+        ("H100 / H200", "fp8", "te"),
+        ("G4 (RTX PRO 6000)", "fp8", "te"),
     ],
 )
-def test_auto_plan_for_each_runtime(nb, runtimes, runtime, backend, precision):
-    plan = nb.choose_plan(runtimes[runtime])
-    assert (plan.backend, plan.precision) == (backend, precision)
+def test_auto_plan_for_each_runtime(nb, runtime, precision, backend):
+    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES[runtime])
+    assert (plan.precision, plan.backend) == (precision, backend)
 
 
-def test_cpu_plan_explains_every_step_down(nb, runtimes):
-    plan = nb.choose_plan(runtimes["CPU"])
+def test_the_readme_table_is_the_computed_one(nb):
+    readme = (REPO / "README.md").read_text()
+    rows = re.findall(r"^\| (.+?) \| (.+?) \| (\w+) \| (TE|PyTorch) \|", readme, re.M)
+    computed = [
+        (runtime, cc, precision, modules)
+        for runtime, cc, precision, modules, _ in nb.runtime_table()
+    ]
+    assert rows == computed
+
+
+def test_a100_steps_down_in_tes_own_words(nb):
+    assert nb.EXAMPLE_RUNTIMES["A100"].fp8_error == TE_SAYS_TOO_OLD
+    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["A100"])
+    assert plan.fallbacks == (f"not fp8: Transformer Engine says: {TE_SAYS_TOO_OLD}",)
+
+
+def test_cpu_plan_explains_every_step_down(nb):
+    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["CPU"])
     assert [f.split(":")[0] for f in plan.fallbacks] == ["not fp8", "not bf16", "not fp16"]
-    assert "emulate BF16" in plan.fallbacks[1]
+    assert "emulates BF16" in plan.fallbacks[1]
 
 
-def test_t4_steps_down_for_missing_te_and_missing_bf16(nb, runtimes):
-    plan = nb.choose_plan(runtimes["T4"])
-    assert "Transformer Engine is not available" in plan.fallbacks[0]
+def test_t4_steps_down_for_missing_te_and_missing_bf16(nb):
+    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["T4"])
+    assert "Transformer Engine is not usable" in plan.fallbacks[0]
     assert "7.5 has no BF16" in plan.fallbacks[1]
     assert "gradient scaler" in plan.reason
 
 
-def test_a100_passes_on_te_own_reason(nb, runtimes):
-    plan = nb.choose_plan(runtimes["A100"])
-    assert plan.fallbacks == (f"not fp8: Transformer Engine says: {TE_SAYS_TOO_OLD}",)
+def test_an_fp8_gpu_without_te_falls_back_to_pytorch_bf16(nb):
+    plan = nb.choose_plan(nb.Hardware("NVIDIA L4", (8, 9), "No module named 'transformer_engine'"))
+    assert (plan.precision, plan.backend) == ("bf16", "torch")
+    assert "not usable" in plan.fallbacks[0]
 
 
-def test_fp8_gpu_without_te_falls_back_to_torch_bf16(nb):
-    plan = nb.choose_plan(facts(nb, name="L4", capability=(8, 9), te=False))
-    assert (plan.backend, plan.precision) == ("torch", "bf16")
-    assert "not available" in plan.fallbacks[0]
-
-
-def test_fp8_plan_has_no_step_downs(nb, runtimes):
-    assert nb.choose_plan(runtimes["H100"]).fallbacks == ()
-
-
-def test_forcing_a_precision_the_runtime_lacks_says_what_it_has(nb, runtimes):
+def test_forcing_a_precision_the_runtime_lacks_says_what_it_has(nb):
     with pytest.raises(ValueError, match=r"PRECISION='fp8'.*This runtime can run: bf16, fp32"):
-        nb.choose_plan(runtimes["CPU"], "fp8")
+        nb.choose_plan(nb.EXAMPLE_RUNTIMES["CPU"], "fp8")
     with pytest.raises(ValueError, match=r"PRECISION='bf16'.*7\.5 has no BF16.*fp16, fp32"):
-        nb.choose_plan(runtimes["T4"], "bf16")
+        nb.choose_plan(nb.EXAMPLE_RUNTIMES["T4"], "bf16")
     with pytest.raises(ValueError, match=r"PRECISION='fp8'.*8\.9 or higher"):
-        nb.choose_plan(runtimes["A100"], "fp8")
+        nb.choose_plan(nb.EXAMPLE_RUNTIMES["A100"], "fp8")
 
 
-def test_forcing_a_possible_precision_is_honoured(nb, runtimes):
-    plan = nb.choose_plan(runtimes["H100"], "fp32")
-    assert (plan.backend, plan.precision, plan.fallbacks) == ("te", "fp32", ())
-    cpu_bf16 = nb.choose_plan(runtimes["CPU"], "bf16")
-    assert cpu_bf16.precision == "bf16" and "emulate BF16" in cpu_bf16.reason
+def test_a_forced_possible_precision_has_no_step_downs(nb):
+    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["H100 / H200"], "fp32")
+    assert (plan.precision, plan.backend, plan.fallbacks) == ("fp32", "te", ())
+    assert "requested" in plan.reason
+
+
+def test_the_cpu_is_described_by_its_machine_and_cores(nb):
+    hw = nb.detect_hardware()  # no CUDA here: the CPU branch
+    assert hw.name.startswith("CPU (") and "cores" in hw.name and hw.capability is None

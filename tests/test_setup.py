@@ -1,43 +1,75 @@
-"""The setup cell's decisions: install TE only where it can work, visibly and with a time limit."""
+"""The install cell: TE only where it can work, sized to the machine, stoppable as a whole."""
 
-import sys
+import stat
+import subprocess
+import time
 
 import pytest
 
 
 @pytest.mark.parametrize(
-    "encoded, decoded", [(91200, (9, 12, 0)), (90501, (9, 5, 1)), (8902, (8, 9, 2))]
-)
-def test_cudnn_versions_decode_like_te(nb, encoded, decoded):
-    assert nb.decode_cudnn_version(encoded) == decoded
-
-
-@pytest.mark.parametrize(
-    "capability, installed, cudnn, install, words",
+    "capability, te_version, cudnn, install, words",
     [
-        (None, False, None, False, "No CUDA GPU"),
-        ((7, 5), False, (9, 12, 0), False, "compute capability 7.5"),
-        ((8, 0), False, (9, 10, 2), False, "older than the 9.12.0"),
-        ((9, 0), True, (9, 12, 0), False, "already installed"),
-        ((8, 9), False, (9, 12, 0), True, "Installing transformer_engine[pytorch]==2.20.2"),
+        (None, None, (0, 0), False, "needs a CUDA GPU of compute capability 8.0+"),
+        ((7, 5), None, (9, 19), False, "needs a CUDA GPU of compute capability 8.0+"),
+        ((9, 0), (2, 20), (9, 19), False, "Transformer Engine is installed"),
+        ((8, 0), None, (9, 10), False, "it needs cuDNN 9.12+; torch's is (9, 10)"),
+        ((8, 9), None, (9, 19), True, "Installing transformer_engine[pytorch]==2.20.2"),
+        ((8, 9), (2, 5), (9, 19), True, "Installing"),  # older than 2.9: no te.autocast
     ],
 )
-def test_install_decision(nb, capability, installed, cudnn, install, words):
-    should, why = nb.te_install_decision(capability=capability, te_installed=installed, cudnn=cudnn)
+def test_install_decision(nb, capability, te_version, cudnn, install, words):
+    should, why, _ = nb.te_install_plan(capability, te_version, cudnn, cores=2, memory_gib=12.7)
     assert should is install and words in why
 
 
-def test_run_with_progress_echoes_output_and_returns_status(nb, capsys):
-    status, tail = nb.run_with_progress(
-        [sys.executable, "-c", "print('one'); print('two'); raise SystemExit(3)"], timeout_s=30
+@pytest.mark.parametrize(
+    "cores, memory_gib, jobs", [(2, 12.7, 2), (12, 83, 12), (8, 5, 3), (4, 1, 1)]
+)
+def test_compile_jobs_fit_the_cores_and_the_memory(nb, cores, memory_gib, jobs):
+    _, why, planned = nb.te_install_plan((9, 0), None, (9, 19), cores, memory_gib)
+    assert planned == jobs
+    assert (
+        f"{jobs} jobs ({cores} cores" in why and f"{nb.COMPILE_CPU_MINUTES / jobs:.0f} min" in why
     )
-    assert status == 3 and tail == ["one", "two"]
-    assert "one\ntwo\n" in capsys.readouterr().out
 
 
-def test_run_with_progress_kills_at_the_time_limit_with_heartbeats(nb, capsys):
-    status, _ = nb.run_with_progress(
-        [sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=2, heartbeat_s=0.5
-    )
-    assert status is None
-    assert "still running" in capsys.readouterr().out
+def fake_python(tmp_path, body):
+    """An executable that stands in for `python -m pip ...`, so that install_te runs it."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_install_runs_ninja_then_te_with_the_cudnn_headers_first(nb, tmp_path, monkeypatch):
+    log = tmp_path / "env.log"
+    body = f'echo "$@" >> {log}; echo "$CPLUS_INCLUDE_PATH $MAX_JOBS" >> {log}'
+    monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, body))
+    monkeypatch.setenv("CPLUS_INCLUDE_PATH", "/elsewhere")
+    status, _ = nb.install_te(3, "/pip/nvidia/cudnn", log_path=str(tmp_path / "pip.log"))
+    first, env, second, _ = log.read_text().splitlines()
+    assert status == 0
+    assert first == f"-m pip install torch=={nb.torch.__version__} ninja wheel"
+    assert second.endswith("--no-build-isolation transformer_engine[pytorch]==2.20.2")
+    assert env == "/pip/nvidia/cudnn/include:/elsewhere 3"  # CPLUS_INCLUDE_PATH, MAX_JOBS
+
+
+def test_a_failed_pip_stops_the_install_and_returns_its_last_lines(nb, tmp_path, monkeypatch):
+    monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, "echo 'no ninja here'; exit 3"))
+    status, tail = nb.install_te(2, None, log_path=str(tmp_path / "pip.log"))
+    assert status == 3 and tail == ["no ninja here"]
+
+
+def test_a_timeout_kills_pip_and_every_process_it_started(nb, tmp_path, monkeypatch):
+    pids = tmp_path / "child.pid"
+    body = f"sleep 60 & echo $! > {pids}; sleep 60"  # a "compiler" in the background, then wait
+    monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, body))
+    monkeypatch.setattr(nb, "COMPILE_CPU_MINUTES", 1 / 60)  # timeout: 3x the estimate = 3 s
+    started = time.monotonic()
+    status, _ = nb.install_te(1, None, log_path=str(tmp_path / "pip.log"))
+    assert status is None and time.monotonic() - started < 30
+    child = int(pids.read_text())
+    time.sleep(0.5)
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True)
+    assert state.stdout.strip() in ("", "Z"), "the background child outlived the timeout"

@@ -1,0 +1,53 @@
+"""Parameter validation: every rule fails fast, naming the parameter, its value and the rule."""
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"PRECISION": "fp4"}, "PRECISION='fp4': must be one of auto, fp8, bf16, fp16, fp32"),
+        ({"D_MODEL": 60, "N_HEADS": 8}, "D_MODEL=60: must be divisible by N_HEADS"),
+        ({"FP8_FORMAT": "E5M2"}, "FP8_FORMAT='E5M2': must be HYBRID or E4M3"),
+        ({"AMAX_COMPUTE_ALGO": "mean"}, "AMAX_COMPUTE_ALGO='mean': must be max or most_recent"),
+        ({"AMAX_HISTORY_LEN": 1}, "AMAX_HISTORY_LEN=1: must be an integer >= 2"),
+        ({"FP8_MARGIN": -1}, "FP8_MARGIN=-1: must be an integer >= 0"),
+        ({"PROMPT_LEN": 1}, "PROMPT_LEN=1: must be an integer >= 2"),
+        (
+            {"PROMPT_LEN": 20, "GEN_TOKENS": 13},
+            "GEN_TOKENS=13: must be at most SEQ_LEN - PROMPT_LEN = 12",
+        ),
+        ({"MAX_STRIDE": 100}, "MAX_STRIDE=100: must be smaller than VOCAB_SIZE"),
+        ({"LEARNING_RATE": 0.0}, "LEARNING_RATE=0.0: must be a number > 0"),
+        ({"LEARNING_RATE": float("nan")}, "LEARNING_RATE=nan: must be a number > 0"),
+        ({"BATCH_SIZE": 0}, "BATCH_SIZE=0: must be a positive integer"),
+        ({"TRAIN_STEPS": True}, "TRAIN_STEPS=True: must be a positive integer"),
+        ({"D_MODEL": 64.0}, "D_MODEL=64.0: must be a positive integer"),
+        ({"SEED": -1}, "SEED=-1: must be an integer >= 0"),
+        ({"RESULTS_JSON": 3}, "RESULTS_JSON=3: must be None or a file path"),
+    ],
+)
+def test_each_rule_names_parameter_value_and_rule(nb, defaults, change, message):
+    with pytest.raises(ValueError) as err:
+        nb.check_parameters(defaults | change)
+    assert message in str(err.value)
+
+
+def test_all_problems_are_reported_together(nb, defaults):
+    with pytest.raises(ValueError) as err:
+        nb.check_parameters(
+            defaults | {"FP8_FORMAT": "E5M2", "AMAX_COMPUTE_ALGO": "x", "SEED": "1"}
+        )
+    assert str(err.value).count("\n  ") == 3
+
+
+def test_the_defaults_are_valid_and_become_lower_case_fields(nb, defaults):
+    cfg = nb.check_parameters(defaults)
+    assert (cfg.d_model, cfg.train_steps, cfg.precision) == (128, defaults["TRAIN_STEPS"], "auto")
+
+
+@pytest.mark.parametrize(
+    "vocab, multiple, padded", [(100, 16, 112), (96, 16, 96), (1, 16, 16), (100, 128, 128)]
+)
+def test_the_vocabulary_is_padded_for_fp8_gemms(nb, vocab, multiple, padded):
+    assert nb.padded_vocab_size(vocab, multiple) == padded
