@@ -9,7 +9,7 @@ import symtable
 import sys
 
 import pytest
-from conftest import NOTEBOOK, REPO, notebook_cells
+from notebook_source import NOTEBOOK, REPO, notebook_cells
 
 PARAMETERS = (
     "PRECISION SEED VOCAB_SIZE MAX_STRIDE SEQ_LEN D_MODEL N_LAYERS N_HEADS FFN_HIDDEN BATCH_SIZE "
@@ -129,7 +129,7 @@ def test_at_most_six_figures_before_going_further():
 
 def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
-    commands = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    commands = re.findall(r"```bash\n(.*?)```", readme, re.DOTALL)
     assert len(commands) == 2  # one runs the notebook, one runs the tests
     test_command = next(c.strip() for c in commands if "pytest" in c)
     assert test_command in (REPO / ".ci" / "run").read_text()

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from conftest import REPO
+from notebook_source import REPO
 
 TE_SAYS_TOO_OLD = "Device compute capability 8.9 or higher required for FP8 execution."
 
@@ -26,7 +26,7 @@ def test_auto_plan_for_each_runtime(nb, runtime, precision, backend):
 
 def test_the_readme_table_is_the_computed_one(nb):
     readme = (REPO / "README.md").read_text()
-    rows = re.findall(r"^\| (.+?) \| (.+?) \| (\w+) \| (TE|PyTorch) \|", readme, re.M)
+    rows = re.findall(r"^\| (.+?) \| (.+?) \| (\w+) \| (TE|PyTorch) \|", readme, re.MULTILINE)
     computed = [
         (runtime, cc, precision, modules)
         for runtime, cc, precision, modules, _ in nb.runtime_table()

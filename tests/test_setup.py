@@ -71,5 +71,7 @@ def test_a_timeout_kills_pip_and_every_process_it_started(nb, tmp_path, monkeypa
     assert status is None and time.monotonic() - started < 30
     child = int(pids.read_text())
     time.sleep(0.5)
-    state = subprocess.run(["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True)
+    state = subprocess.run(
+        ["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True, check=False
+    )
     assert state.stdout.strip() in ("", "Z"), "the background child outlived the timeout"
