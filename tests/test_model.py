@@ -52,7 +52,7 @@ def test_weights_start_like_tes_default_init(nb, cfg):
 
 
 def test_the_stand_in_refuses_settings_it_does_not_implement(nb):
-    settings = nb.TwinTransformerLayer.SETTINGS | {"attn_input_format": "sbhd"}
+    settings = nb.TWIN_SETTINGS | {"attn_input_format": "sbhd"}
     with pytest.raises(ValueError, match="the stand-in implements"):
         nb.TwinTransformerLayer(64, 128, 4, **settings)
 

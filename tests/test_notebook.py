@@ -77,6 +77,10 @@ def test_definition_cells_read_nothing_the_narrative_cells_define():
         assert not global_reads("".join(cell["source"])) & narrative, "".join(cell["source"])[:200]
 
 
+def test_no_cell_is_empty():
+    assert all("".join(cell["source"]).strip() for cell in notebook_cells())
+
+
 def test_saved_notebook_has_no_outputs():
     """Outputs would have to come from a run of exactly this code; we keep none."""
     for cell in code_cells():
