@@ -30,11 +30,16 @@ CAPABILITY_NAMES |= {(9, 0): "NVIDIA H100 80GB HBM3", (10, 0): "NVIDIA B200"}
 CAPABILITY_NAMES |= {(12, 0): "NVIDIA RTX PRO 6000 Blackwell Server Edition"}
 
 
+def clear_tes_cached_checks():
+    """TE caches each availability verdict: a new capability must be checked afresh."""
+    for cache in ("_FP8_SUPPORT", "_MXFP8_SUPPORT", "_NVFP4_SUPPORT", "_FP8_BLOCK_SCALING_SUPPORT"):
+        setattr(quantization, cache, None)
+
+
 @contextlib.contextmanager
 def cuda_device(capability=(9, 0)):
     """Pretend that a CUDA device of this compute capability exists; clear TE's cached checks."""
-    for cache in ("_FP8_SUPPORT", "_MXFP8_SUPPORT", "_NVFP4_SUPPORT", "_FP8_BLOCK_SCALING_SUPPORT"):
-        setattr(quantization, cache, None)
+    clear_tes_cached_checks()
     with (
         mock.patch.object(torch.cuda, "is_available", lambda: True),
         mock.patch.object(torch.cuda, "get_device_capability", lambda *device: capability),
@@ -44,8 +49,7 @@ def cuda_device(capability=(9, 0)):
         mock.patch.object(quantization, "get_device_compute_capability", lambda: capability),
     ):
         yield
-    for cache in ("_FP8_SUPPORT", "_MXFP8_SUPPORT", "_NVFP4_SUPPORT", "_FP8_BLOCK_SCALING_SUPPORT"):
-        setattr(quantization, cache, None)
+    clear_tes_cached_checks()
 
 
 @pytest.fixture(scope="session")

@@ -248,7 +248,7 @@ def test_the_update_rule_matches_tes_own_python_update(nb, algo, margin, forward
     nb.update_scales(our_history, our_scale, fp8_max, margin, algo)
     assert torch.equal(our_history, te_history)
     torch.testing.assert_close(our_scale, te_scale, rtol=2.5e-7, atol=0)
-    assert fp8_max == nb.FP8_MAX[nb.fp8_formats(recipe)[not forward]]
+    assert fp8_max == nb.FP8_MAX[nb.fp8_formats(recipe)["forward" if forward else "backward"]]
 
 
 def test_fused_adam_has_the_master_weight_calls_the_notebook_makes():
