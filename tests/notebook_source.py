@@ -1,12 +1,16 @@
 """The notebook as the tests read it: its cells, its parameters, and its definitions as a module."""
 
+import hashlib
 import json
+import linecache
+import re
 import sys
 import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "te_fp8_training.ipynb"
+README = REPO / "README.md"
 
 
 def notebook_cells(tag=None):
@@ -14,10 +18,26 @@ def notebook_cells(tag=None):
     return [c for c in cells if tag is None or tag in c["metadata"].get("tags", [])]
 
 
+def source(cell):
+    return "".join(cell["source"])
+
+
+def code_sha256(cells):
+    """The hash of the code cells' sources, in order: what a set of saved outputs was run from."""
+    code = [source(c) for c in cells if c["cell_type"] == "code"]
+    return hashlib.sha256(json.dumps(code).encode()).hexdigest()
+
+
+def stated_run_seconds(text):
+    """The run time a text states, as "**N s**" (the introduction and the README each state one)."""
+    (seconds,) = re.findall(r"\*\*(\d+) s\*\*", text)
+    return int(seconds)
+
+
 def notebook_parameters():
     """The parameters cell's names and default values."""
     values = {}
-    exec("".join(notebook_cells("parameters")[0]["source"]), values)  # noqa: S102 our own cell
+    exec(source(notebook_cells("parameters")[0]), values)  # noqa: S102 our own cell
     return {k: v for k, v in values.items() if not k.startswith("__")}
 
 
@@ -26,6 +46,7 @@ def load_notebook_definitions():
     module = types.ModuleType("te_fp8_training")
     sys.modules[module.__name__] = module  # dataclasses look their module up here
     for index, cell in enumerate(notebook_cells("defs")):
-        source = "".join(cell["source"])
-        exec(compile(source, f"{NOTEBOOK.name}[defs {index}]", "exec"), module.__dict__)  # noqa: S102
+        name, text = f"{NOTEBOOK.name}[defs {index}]", source(cell)
+        linecache.cache[name] = (len(text), None, text.splitlines(True), name)  # as IPython does
+        exec(compile(text, name, "exec"), module.__dict__)  # noqa: S102
     return module

@@ -1,26 +1,10 @@
 """Section 10: the experiment harness, the benchmark's arithmetic and skip rules, and what the
 amax-history experiment shows."""
 
-import dataclasses
-
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 CPU = torch.device("cpu")
-
-
-def test_the_flop_formula_matches_pytorchs_flop_counter_on_a_real_step(nb, cfg):
-    cfg = dataclasses.replace(cfg, batch_size=4)
-    torch.manual_seed(0)
-    model = nb.CausalLM(cfg, nb.standin, CPU)
-    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))
-    # the math backend runs attention as matmuls, which the counter sees
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    assert counter.get_total_flops() == nb.train_flops_per_step(cfg)
 
 
 def test_sized_configs_keep_the_task_with_64_channel_heads_and_smaller_steps(nb, cfg):
@@ -41,15 +25,14 @@ def test_the_memory_estimate_counts_adams_temporaries_and_skips_the_articles_siz
     big = nb.sized_config(nb.check_parameters(defaults), 2048, 12)
     needed = nb.estimate_training_bytes(big)
     assert needed > 20 * nb.expected_parameter_count(big)  # weights, grads, 2 moments, a temporary
-    assert "needs about" in nb.size_skip_reason(needed, 14.7 * 2**30, None, 30)  # a T4's 15 GB
-    assert nb.size_skip_reason(needed, 22 * 2**30, None, 30) is None  # an L4's 24 GB
+    assert "needs about" in nb.size_skip_reason(needed, 14.7 * 2**30)  # a T4's 15 GB
+    assert nb.size_skip_reason(needed, 22 * 2**30) is None  # an L4's 24 GB
 
 
-def test_size_skip_reasons(nb):
-    assert nb.size_skip_reason(10 * 2**30, 8 * 2**30, 1, 30) == "needs about 10.0 GiB; 8.0 GiB free"
-    assert nb.size_skip_reason(9 * 2**30, 10 * 2**30, None, 30) is not None  # a 20% margin
-    assert nb.size_skip_reason(1, 2**30, 45.2, 30) == "estimated 45 s, over the 30 s budget"
-    assert nb.size_skip_reason(1, 2**30, 29.0, 30) is None
+def test_a_size_is_skipped_when_its_estimate_does_not_fit_with_a_20_percent_margin(nb):
+    assert nb.size_skip_reason(10 * 2**30, 8 * 2**30) == "needs about 10.0 GiB; 8.0 GiB free"
+    assert nb.size_skip_reason(9 * 2**30, 10 * 2**30) is not None
+    assert nb.size_skip_reason(7.9 * 2**30, 10 * 2**30) is None
 
 
 def test_available_memory_counts_reclaimable_page_cache(nb, monkeypatch, tmp_path):
@@ -77,27 +60,8 @@ def test_the_benchmark_times_every_precision_a_runtime_without_te_has(nb, runtim
 
 
 def test_training_a_fresh_model_times_its_steps_and_reports_the_loss(nb, cfg):
-    numbers = nb.train_fresh(cfg, nb.standin, None, None, CPU, warmup=1, repeats=3)
+    numbers = nb.time_training_steps(cfg, nb.standin, None, None, CPU, warmup=1, repeats=3)
     assert numbers["step_ms"] > 0 and numbers["first_loss"] > numbers["last_loss"]
-
-
-@pytest.mark.parametrize(
-    "name, precision, peak",
-    [
-        ("NVIDIA H100 80GB HBM3", "bf16", 989),
-        ("NVIDIA H200", "fp8", 1979),
-        ("NVIDIA L4", "fp8", 242),
-        ("NVIDIA L40S", "fp8", None),  # not an L4
-        ("NVIDIA A100-SXM4-40GB", "bf16", 312),
-        ("NVIDIA A100-PCIE-40GB", "bf16", None),  # another datasheet
-        ("NVIDIA H100 PCIe", "bf16", None),
-        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "fp8", 1000),
-        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "bf16", 500),
-        ("Tesla T4", "fp16", 65),
-    ],
-)
-def test_datasheet_peaks_match_exact_device_names(nb, name, precision, peak):
-    assert nb.DATASHEET_DENSE_TFLOPS.get(name, {}).get(precision) == peak
 
 
 def row(label, d, layers, ms):

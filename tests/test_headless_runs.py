@@ -1,0 +1,137 @@
+"""Real headless runs of the whole notebook on a CPU, through papermill, as a user would run it."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from notebook_source import NOTEBOOK
+
+SUMMARY_KEYS = (
+    "plan device initial_loss final_loss train_steps train_seconds stride_token_accuracy "
+    "stride_sequence_accuracy fp8_state fp8_comparison benchmark experiments"
+).split()
+
+
+def run_notebook(tmp_path, **parameters):
+    """Execute the notebook top to bottom with papermill; returns (summary, executed notebook)."""
+    results, executed = tmp_path / "results.json", tmp_path / "executed.ipynb"
+    overrides = [arg for k, v in parameters.items() for arg in ("-p", k, str(v))]
+    command = [sys.executable, "-m", "papermill", str(NOTEBOOK), str(executed), *overrides]
+    command += ["-p", "RESULTS_JSON", str(results), "--cwd", str(tmp_path)]
+    subprocess.run(command, check=True, timeout=900, capture_output=True, text=True)
+    return json.loads(results.read_text()), json.loads(executed.read_text())
+
+
+# Small enough for CI, large enough to learn the task.
+SMALL = {"TRAIN_STEPS": 200, "D_MODEL": 64, "FFN_HIDDEN": 256, "EVAL_PROMPTS": 64}
+TINY = {"TRAIN_STEPS": 30, "D_MODEL": 32, "N_HEADS": 2, "FFN_HIDDEN": 64, "SEQ_LEN": 16}
+TINY |= {"BATCH_SIZE": 8, "EVAL_PROMPTS": 16, "PROMPT_LEN": 4, "GEN_TOKENS": 8}
+
+
+@pytest.fixture(scope="module")
+def headless(tmp_path_factory):
+    return run_notebook(tmp_path_factory.mktemp("auto"), **SMALL)
+
+
+def test_headless_run_writes_every_summary_key(headless):
+    summary, _ = headless
+    assert set(summary) == set(SUMMARY_KEYS)
+
+
+def test_headless_run_learns_the_task(headless):
+    summary, _ = headless
+    assert summary["train_steps"] == SMALL["TRAIN_STEPS"] and summary["train_seconds"] > 0
+    assert summary["initial_loss"] > 0.8 * 4.605 and summary["final_loss"] < 0.2 * 4.605
+    assert summary["stride_sequence_accuracy"] >= 0.9
+
+
+def test_headless_run_chooses_fp32_on_pytorch_on_a_cpu(headless):
+    summary, _ = headless
+    assert summary["device"].startswith("CPU")
+    assert (summary["plan"]["precision"], summary["plan"]["backend"]) == ("fp32", "torch")
+    assert [f.split(":")[0] for f in summary["plan"]["fallbacks"]] == [
+        "not fp8",
+        "not bf16",
+        "not fp16",
+    ]
+
+
+def test_headless_run_inspects_the_reference_fp8_state_and_checks_the_rule_exactly(headless):
+    state = headless[0]["fp8_state"]
+    assert state["source"] == "reference"
+    assert state["update_rule_max_difference"] == 0.0 and state["histories_rolled"] is True
+    assert len(state["tensors"]) == 2 * (3 + 3 + 6) + 3  # QKV, proj, fc1 + fc2 per layer; head
+    for row in state["tensors"]:
+        assert 0 < row["amax"] <= row["window_max"] and row["scale"] != 1.0
+
+
+def test_headless_reference_fp8_run_learns_like_fp32(headless):
+    comparison = headless[0]["fp8_comparison"]
+    assert comparison["status"] == "ran" and comparison["fp8_source"] == "reference"
+    assert comparison["fp8_stride_sequence_accuracy"] >= 0.9
+    assert abs(comparison["final_loss_gap"]) <= 0.10
+    assert comparison["output_db"] > 20 and comparison["weight_grad_db"] > 20
+
+
+def test_headless_run_records_every_experiment(headless):
+    experiments = headless[0]["experiments"]
+    ran = {"fp8_vs_high_precision", "e4m3_vs_hybrid", "amax_history", "benchmark"}
+    needs_te = {
+        "te_vs_standin",
+        "te_vs_reference",
+        "building_blocks",
+        "fp8_weights",
+        "other_recipes",
+    }
+    assert set(experiments) == ran | needs_te
+    assert {name for name, e in experiments.items() if e["status"] == "ran"} == ran
+    assert all(experiments[name]["reason"] for name in needs_te)
+
+
+def test_headless_e4m3_gradients_flush_more_than_hybrids(headless):
+    formats = headless[0]["experiments"]["e4m3_vs_hybrid"]
+    assert formats["E4M3"]["grad_flushed_pct"] > formats["HYBRID"]["grad_flushed_pct"]
+
+
+def test_headless_benchmark_measures_two_sizes_on_a_cpu_and_says_why(headless):
+    summary, executed = headless
+    rows = summary["benchmark"]
+    assert {(r["precision"], r["d_model"]) for r in rows} == {
+        (p, d) for p in ("FP32 (PyTorch)", "FP8 (reference)") for d in (SMALL["D_MODEL"], 256)
+    }
+    for r in rows:
+        assert r["status"] == "ran" and r["step_ms"] > 0 and r["peak_mem_mb"] is None
+        assert 0 < r["estimated_mem_mb"] < 1024 and r["parameters"] > 0
+    assert len(summary["experiments"]["benchmark"]["findings"]) == 2
+    markdown = "".join(
+        "".join(c["source"]) for c in executed["cells"] if c["cell_type"] == "markdown"
+    )
+    assert "On a CPU only the tutorial's size and one larger size are measured" in " ".join(
+        markdown.split()
+    )
+
+
+def test_headless_outputs_are_formatted_for_people(headless):
+    """No raw dict, list of dicts or dataclass repr is printed."""
+    _, executed = headless
+    for cell in executed["cells"]:
+        for output in cell.get("outputs", []):
+            text = "".join(output.get("text", ""))
+            assert not re.search(r"\{'|\[\{|Config\(|Plan\(|Hardware\(", text), text
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_precision_a_cpu_supports_runs_to_the_end_when_forced(tmp_path, precision):
+    summary, _ = run_notebook(tmp_path, PRECISION=precision, **TINY)
+    assert summary["plan"]["precision"] == precision and summary["plan"]["fallbacks"] == []
+    assert "requested" in summary["plan"]["reason"]
+    assert summary["experiments"]["te_vs_reference"]["status"] == "skipped"
+
+
+def test_forcing_a_precision_the_cpu_lacks_stops_at_the_plan_with_what_it_can_run(tmp_path):
+    with pytest.raises(subprocess.CalledProcessError) as failure:
+        run_notebook(tmp_path, PRECISION="fp16", **TINY)
+    assert "PRECISION='fp16' is not possible" in failure.value.stdout + failure.value.stderr
+    assert "This runtime can run: bf16, fp32" in failure.value.stdout + failure.value.stderr
