@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Colab's default GPU runtime, as closely as a CPU machine allows, and the notebook's own TE
-# install and import cells run in it: first as they were before the install was fixed (commit
-# 4c65f9c), then as they are now. Run by hand, as root:
+# install and import cells run in it, each phase in a fresh venv with an empty pip cache:
+#   before      the cells as they were before the install was fixed (commit 4c65f9c);
+#   after       the cells as they are now, TE_WHEEL_DIR unset;
+#   kept-build  TE_WHEEL_DIR set to an empty folder: the extension compiles, with a progress bar,
+#               and its wheel is kept there;
+#   kept-reuse  a new venv (a new Colab session), the same folder: TE installs from the kept wheel.
+# Run by hand, as root:
 #
-#     tests/colab_like/colab_like.sh [DIR]        # DIR defaults to /tmp/colab_like
+#     [PHASES="kept-build kept-reuse"] tests/colab_like/colab_like.sh [DIR]   # DIR: /tmp/colab_like
 #
-# It compiles TE's PyTorch extension twice: 30 minutes on 2 cores (measured: 1 to set up, 3 per
-# fresh venv, 9 for the old cell, 14 for the new one); PHASES=after runs only the second part.
-# Everything goes to DIR: the cells' output (before.log, after.log, with pip's own log beside
-# them) and a summary with timings (report.txt).
+# Each compiling phase takes 9 to 14 minutes on 2 cores, a fresh venv 3, the set-up 1. Everything
+# goes to DIR: each phase's output (PHASE.log, pip's own log as PHASE-pip.log) and a summary with
+# timings (report.txt).
 #
 # Reproduced (Colab's image as its published package lists describe it, August 2026; that image
 # has the layout of NVIDIA's CUDA 12.8 "cudnn-devel" images, cuDNN 9.8.0.87 included):
@@ -76,12 +80,12 @@ make_venv() {  # Colab's Python packages, as far as the install and import cells
         "$1"/lib/python3.13/site-packages/torch-*.dist-info/METADATA
 }
 
-run_in_colab_image() {  # NAME NOTEBOOK: its cells up to the TE import, in Colab's file system
+run_in_colab_image() {  # NAME NOTEBOOK [WHEEL_DIR]: its cells up to the TE import, in Colab's file system
     local venv=$DIR/venv-$1 work=$DIR/$1
     rm -rf "$work" overlay && mkdir -p "$work"
-    unshare -m --propagation private bash -s "$DIR" "$venv" "$work" "$2" "$REPO" <<'INNER'
+    unshare -m --propagation private bash -s "$DIR" "$venv" "$work" "$2" "$REPO" "${3:-}" <<'INNER'
 set -euo pipefail
-DIR=$1 VENV=$2 WORK=$3 NOTEBOOK=$4 REPO=$5
+DIR=$1 VENV=$2 WORK=$3 NOTEBOOK=$4 REPO=$5 TE_WHEEL_DIR=$6
 for mountpoint in /usr/bin /usr/include /usr/lib/x86_64-linux-gnu /usr/local; do
     layer=$DIR/overlay$mountpoint && mkdir -p "$layer/upper" "$layer/work"
     mount -t overlay overlay -o "lowerdir=$DIR/sys$mountpoint:$mountpoint,upperdir=$layer/upper,workdir=$layer/work" "$mountpoint"
@@ -105,7 +109,7 @@ echo "system cuDNN: $(grep -hE '^#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) ' /usr/i
 echo "nvcc: $(colab nvcc --version | tail -1)"
 echo "NCCL header: $(ls /usr/include/nccl.h)"
 echo "ninja: $(colab bash -c 'command -v ninja || echo none')"
-colab python -u "$REPO/tests/colab_like/run_cells.py" "$NOTEBOOK"
+colab ${TE_WHEEL_DIR:+TE_WHEEL_DIR="$TE_WHEEL_DIR"} python -u "$REPO/tests/colab_like/run_cells.py" "$NOTEBOOK"
 INNER
 }
 
@@ -117,21 +121,28 @@ leftovers() {  # compilers and builds still running after the cells returned
 say "Colab-like run of $REPO in $DIR, $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
 say "assembling the system: CUDA 12.8 toolkit, cuDNN 9.8, NCCL 2.25"
 assemble_system >> setup.log 2>&1
-for phase in ${PHASES:-before after}; do
+PHASES=${PHASES:-before after kept-build kept-reuse}
+if [[ " $PHASES " == *" kept-build "* ]]; then
+    rm -rf "$DIR/kept-wheels"  # kept-build starts from an empty folder; kept-reuse uses what it kept
+fi
+for phase in $PHASES; do
     say "$phase: a fresh Python 3.13 venv with $TORCH and cuDNN $COLAB_CUDNN"
     make_venv "$DIR/venv-$phase" >> setup.log 2>&1
-    if [[ $phase == before ]]; then
-        git -C "$REPO" show "$BEFORE_COMMIT:te_fp8_training.ipynb" > before.ipynb
-        notebook=$DIR/before.ipynb
-    else
-        notebook=$REPO/te_fp8_training.ipynb
-    fi
-    say "$phase: the notebook's cells up to the TE import ($notebook)"
+    notebook=$REPO/te_fp8_training.ipynb wheel_dir=""
+    case $phase in
+        before) git -C "$REPO" show "$BEFORE_COMMIT:te_fp8_training.ipynb" > before.ipynb
+                notebook=$DIR/before.ipynb ;;
+        kept-*) wheel_dir=$DIR/kept-wheels ;;
+    esac
+    say "$phase: the notebook's cells up to the TE import ($notebook${wheel_dir:+, TE_WHEEL_DIR=$wheel_dir})"
     started=$SECONDS
-    run_in_colab_image "$phase" "$notebook" > "$phase.log" 2>&1 || say "$phase: exited with $?"
+    run_in_colab_image "$phase" "$notebook" "$wheel_dir" > "$phase.log" 2>&1 || say "$phase: exited with $?"
     say "$phase: $(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s"
-    grep -E '^(RESULT|--- code cell .* took|  /|Install|The Transformer|Not installing)' \
+    grep -E '^(RESULT|--- code cell .* took|  /|Install|The Transformer|Not installing|No kept)' \
         "$phase.log" | tee -a report.txt
+    updates=$( (grep -oE "compiling TE's extension: *[0-9]+%\|[^|]*\| *[0-9]+/[0-9]+" "$phase.log" || true) | sort -u | wc -l)
+    say "$phase: $updates distinct progress updates of the compile in its output"
+    [[ -z $wheel_dir ]] || say "$phase: kept: $(cd "$wheel_dir" && ls -d */*.whl 2>/dev/null | tr '\n' ' ')"
     cp "$DIR/$phase"/*.log "$DIR/$phase-pip.log" 2>/dev/null || true
     still=$(leftovers)
     if [[ -n $still ]]; then

@@ -4,10 +4,14 @@ This is what Run all does on Colab before anything else, with one difference: th
 no GPU, so "a CUDA device of compute capability 8.9 (an L4) exists" is patched in. Nothing else
 is: the install runs pip and the compiler for real, and the import is TE's own.
 
-    python run_cells.py NOTEBOOK
+    [TE_WHEEL_DIR=FOLDER] python run_cells.py NOTEBOOK
+
+With TE_WHEEL_DIR set, the notebook's parameter of that name is set to it, as papermill's -p
+would set it, right after the parameters cell.
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +27,8 @@ def cells_through_te_import(path):
         source = "".join(cell["source"])
         if cell["cell_type"] == "code":
             yield source
+            if "parameters" in cell["metadata"].get("tags", []) and "TE_WHEEL_DIR" in os.environ:
+                yield f"TE_WHEEL_DIR = {os.environ['TE_WHEEL_DIR']!r}  # as papermill's -p would"
             if TE_IMPORT in source:
                 return
     raise SystemExit(f"{path}: no code cell contains {TE_IMPORT!r}")
