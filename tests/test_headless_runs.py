@@ -77,17 +77,36 @@ def test_headless_reference_fp8_run_learns_like_fp32(headless):
 
 def test_headless_run_records_every_experiment(headless):
     experiments = headless[0]["experiments"]
-    ran = {"fp8_vs_high_precision", "e4m3_vs_hybrid", "amax_history", "benchmark"}
-    needs_te = {
-        "te_vs_standin",
-        "te_vs_reference",
-        "building_blocks",
-        "fp8_weights",
-        "other_recipes",
-    }
+    ran = {"fp8_vs_high_precision", "e4m3_vs_hybrid", "amax_history", "benchmark", "two_ranks"}
+    ran |= {"recipes_on_real_tensors", "recipes_follow_a_spike"}
+    ran |= {"recipes_trained_by_the_references", "data_parallel_script"}
+    needs_te = {"te_vs_standin", "te_vs_reference", "building_blocks", "fp8_weights"}
+    needs_te |= {"other_recipes", "te_quantizers_vs_references"}
     assert set(experiments) == ran | needs_te
     assert {name for name, e in experiments.items() if e["status"] == "ran"} == ran
     assert all(experiments[name]["reason"] for name in needs_te)
+
+
+def test_headless_two_ranks_agree_bitwise_with_tes_reduction_and_not_without(headless):
+    two = headless[0]["experiments"]["two_ranks"]
+    assert two["identical_with_reduction"] and two["scales_differ_without"]
+    assert two["forward_equals_one_process"] and 1.5 < two["backward_amax_ratio"] < 2.5
+
+
+def test_headless_current_and_mxfp8_scaling_never_saturate_on_the_spike_and_delayed_does(headless):
+    spike = headless[0]["experiments"]["recipes_follow_a_spike"]
+    assert spike["DelayedScaling (16, max)"]["steps_saturated"] > 0
+    assert spike["Float8CurrentScaling"]["steps_saturated"] == 0
+    assert spike["MXFP8BlockScaling"]["steps_saturated"] == 0
+
+
+def test_headless_recipe_table_covers_every_recipe_and_role(headless):
+    table = headless[0]["experiments"]["recipes_on_real_tensors"]
+    recipes = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")
+    for recipe in (*recipes, "NVFP4BlockScaling"):
+        for role in ("input", "weight", "grad_output"):
+            assert table[f"{recipe}/{role}"]["sqnr_db"] > 5
+    assert all(table[f"{r}/weight"]["sqnr_db"] > 20 for r in recipes)  # 8-bit, every weight
 
 
 def test_headless_e4m3_gradients_flush_more_than_hybrids(headless):
@@ -135,3 +154,20 @@ def test_forcing_a_precision_the_cpu_lacks_stops_at_the_plan_with_what_it_can_ru
         run_notebook(tmp_path, PRECISION="fp16", **TINY)
     assert "PRECISION='fp16' is not possible" in failure.value.stdout + failure.value.stderr
     assert "This runtime can run: bf16, fp32" in failure.value.stdout + failure.value.stderr
+
+
+def test_the_summarys_fp8_state_is_the_one_section_8_2_printed_and_checked(headless):
+    """Later FP8 autocasts (section 10's) update the model's state again, so the summary keeps
+    the snapshot taken where the state was printed and checked, not the state at the end."""
+    summary, executed = headless
+    printed = next(
+        "".join(o.get("text", ""))
+        for c in executed["cells"]
+        if c["cell_type"] == "code" and "fp8_rows = fp8_state_rows" in "".join(c["source"])
+        for o in c["outputs"]
+    )
+    lines = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if "/" in line}
+    for row in summary["fp8_state"]["tensors"]:
+        amax, window_max, scale, _ = lines[row["tensor"]]
+        assert (amax, window_max) == (f"{row['amax']:.3g}", f"{row['window_max']:.3g}")
+        assert scale == f"{row['scale']:.4g}"

@@ -1,6 +1,7 @@
 """The model: TE's architecture, its PyTorch stand-in, causality, and the training loop's guards."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -131,3 +132,17 @@ def test_weights_load_by_name_and_shape_and_mismatches_are_named(nb, cfg):
     assert torch.equal(target.head.weight, source.head.weight)
     with pytest.raises(KeyError, match="unexpected"):
         nb.load_weights(target, source.state_dict() | {"head.extra_weight": torch.zeros(1)})
+
+
+def test_a_run_on_tes_modules_starts_by_forgetting_the_fp8_models_te_has_seen(nb, cfg):
+    """TE updates every delayed-scaling module it has run at each FP8 autocast exit; a timed or
+    compared run resets that list first (TE's own reset is run in tests/te_stage)."""
+    resets = []
+    manager = types.SimpleNamespace(reset=lambda: resets.append("reset"))
+    like_te = types.SimpleNamespace(**vars(nb.standin))  # the stand-in's modules, but not it
+    like_te.quantization = types.SimpleNamespace(FP8GlobalStateManager=manager)
+    nb.train(twin(nb, cfg), cfg, te=like_te, steps=2)
+    nb.time_training_steps(cfg, like_te, None, None, CPU, warmup=0, repeats=1)
+    assert resets == ["reset", "reset"]
+    nb.train(twin(nb, cfg), cfg, te=nb.standin, steps=2)  # the stand-in keeps no global list
+    assert resets == ["reset", "reset"]

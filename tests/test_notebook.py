@@ -20,7 +20,7 @@ from notebook_source import (
 PARAMETERS = (
     "PRECISION SEED VOCAB_SIZE MAX_STRIDE SEQ_LEN D_MODEL N_LAYERS N_HEADS FFN_HIDDEN BATCH_SIZE "
     "TRAIN_STEPS LEARNING_RATE FP8_FORMAT AMAX_HISTORY_LEN AMAX_COMPUTE_ALGO FP8_MARGIN "
-    "EVAL_PROMPTS PROMPT_LEN GEN_TOKENS RESULTS_JSON"
+    "EVAL_PROMPTS PROMPT_LEN GEN_TOKENS RESULTS_JSON TE_WHEEL_DIR"
 ).split()
 # The cells that teach: never collapsed (found by what they define or do)
 LESSON = (
@@ -142,6 +142,9 @@ def test_every_heading_opens_its_cell_and_subsections_count_from_1():
 
 def test_size_targets_a_reader_can_hold():
     sizes = [len(code_lines(c)) for c in code_cells()]
+    # Issue 7 capped the whole at 1,100 lines; the kept-wheel install (issue 14), several GPUs
+    # (15) and the other recipes' references (16) grew it, all outside the lesson's visible core
+    assert sum(sizes) <= 1700
     assert max(sizes) <= 60
     assert statistics.median(sizes) <= 15
 
@@ -178,7 +181,7 @@ def test_one_short_cell_holds_a_literal_copyable_training_step():
     assert len(steps) == 1
     text, lines = source(steps[0]), code_lines(steps[0])
     assert len(lines) <= 15 and "scaler" not in text  # the FP16 variant comes after, on its own
-    order = ["with torch.autocast(", "with te.autocast(enabled=", "recipe=recipe)", "model(inputs)"]
+    order = ["with torch.autocast(", "with te.autocast(enabled=", "recipe=recipe,", "model(inputs)"]
     order += ["loss.backward()", "clip_grad_norm_(", "optimizer.step()"]
     positions = [text.index(fragment) for fragment in order]
     assert positions == sorted(positions)
@@ -213,7 +216,7 @@ def test_figure_titles_are_computed_from_the_run_or_say_what_is_plotted():
 
 
 def test_the_benchmark_section_stays_short():
-    assert 0 < section_code_lines("### 10.8") <= 90
+    assert 0 < section_code_lines("### 10.9") <= 90
 
 
 def test_ci_runs_the_readme_test_command():

@@ -34,6 +34,15 @@ def test_the_readme_table_is_the_computed_one(nb):
     assert rows == computed
 
 
+def test_the_readme_recipe_table_is_the_computed_one(nb):
+    readme = (REPO / "README.md").read_text()
+    header = "| TE's other recipe | " + " | ".join(nb.RECIPES_BY_CUDA) + " |"
+    table = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
+    assert [tuple(c.strip() for c in row.strip("|").split("|")) for row in table] == list(
+        nb.recipe_table()
+    )
+
+
 def test_a100_steps_down_in_tes_own_words(nb):
     assert nb.EXAMPLE_RUNTIMES["A100"].fp8_error == TE_SAYS_TOO_OLD
     plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["A100"])

@@ -1,11 +1,15 @@
-"""The install cell: TE only where it can work, sized to the machine, stoppable as a whole."""
+"""The install cells: TE only where it can work, sized to the machine, stoppable as a whole,
+showing its progress, and kept as a wheel for later sessions when asked."""
 
 import importlib.metadata
 import stat
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
+
+CAPTURED_BUILD_LOG = Path(__file__).parent / "colab_like" / "te_extension_build.log"
 
 
 @pytest.mark.parametrize(
@@ -43,31 +47,56 @@ def fake_python(tmp_path, body):
     return str(path)
 
 
-def test_install_runs_ninja_then_te_with_the_cudnn_headers_first(nb, tmp_path, monkeypatch):
-    log = tmp_path / "env.log"
-    body = f'echo "$@" >> {log}; echo "$CPLUS_INCLUDE_PATH $MAX_JOBS" >> {log}'
+def pip_calls(log):
+    return [line.removeprefix("-m pip ") for line in log.read_text().splitlines()]
+
+
+def test_a_fresh_install_compiles_the_extension_into_the_folder_then_installs_from_it(
+    nb, tmp_path, monkeypatch
+):
+    log = tmp_path / "calls.log"
+    body = f'echo "$@" >> {log}; echo "$CPLUS_INCLUDE_PATH $MAX_JOBS" >> {tmp_path / "env.log"}'
     monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, body))
     monkeypatch.setenv("CPLUS_INCLUDE_PATH", "/elsewhere")
-    status, _ = nb.install_te(3, "/pip/nvidia/cudnn", log_path=str(tmp_path / "pip.log"))
-    first, env, second, _ = log.read_text().splitlines()
+    folder, torch = tmp_path / "kept", f"torch=={importlib.metadata.version('torch')}"
+    status, _ = nb.install_te(3, "/pip/nvidia/cudnn", str(folder), str(tmp_path / "pip.log"))
     assert status == 0
-    assert first == f"-m pip install torch=={importlib.metadata.version('torch')} ninja wheel"
-    assert second.endswith("--no-build-isolation transformer_engine[pytorch]==2.20.2")
-    assert env == "/pip/nvidia/cudnn/include:/elsewhere 3"  # CPLUS_INCLUDE_PATH, MAX_JOBS
+    assert pip_calls(log) == [
+        f"install {torch} ninja wheel",
+        f"wheel -v --no-deps --no-build-isolation -w {folder} transformer_engine_torch==2.20.2",
+        (
+            f"install {torch} --no-build-isolation --find-links {folder} "
+            "--only-binary transformer_engine_torch transformer_engine[pytorch]==2.20.2"
+        ),
+    ]
+    # pip's cuDNN headers before the system's, and MAX_JOBS, for every call
+    assert set((tmp_path / "env.log").read_text().splitlines()) == {
+        "/pip/nvidia/cudnn/include:/elsewhere 3"
+    }
 
 
-def test_torch_is_pinned_to_its_installed_version_not_its_build_label(nb, tmp_path, monkeypatch):
+def test_a_kept_wheel_is_installed_without_compiling(nb, tmp_path, monkeypatch):
+    log, folder = tmp_path / "calls.log", tmp_path / "kept"
+    folder.mkdir()
+    (folder / "transformer_engine_torch-2.20.2-cp313-cp313-linux_x86_64.whl").touch()
+    monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, f'echo "$@" >> {log}'))
+    status, _ = nb.install_te(2, None, str(folder), str(tmp_path / "pip.log"))
+    assert status == 0 and len(pip_calls(log)) == 1
+    assert pip_calls(log)[0].startswith("install torch==") and "--find-links" in pip_calls(log)[0]
+
+
+def test_the_torch_pin_is_its_installed_version_not_its_build_label(nb, tmp_path, monkeypatch):
     """PyPI's torch 2.10.0 says torch.__version__ == "2.10.0+cu128", a version pip cannot find."""
     log = tmp_path / "args.log"
     monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, f'echo "$@" >> {log}'))
     monkeypatch.setattr(nb.torch, "__version__", "2.10.0+cu128")
-    nb.install_te(1, None, log_path=str(tmp_path / "pip.log"))
+    nb.install_te(1, None, str(tmp_path / "kept"), log_path=str(tmp_path / "pip.log"))
     assert f"torch=={importlib.metadata.version('torch')} " in log.read_text().splitlines()[0]
 
 
 def test_a_failed_pip_stops_the_install_and_returns_its_last_lines(nb, tmp_path, monkeypatch):
     monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, "echo 'no ninja here'; exit 3"))
-    status, tail = nb.install_te(2, None, log_path=str(tmp_path / "pip.log"))
+    status, tail = nb.install_te(2, None, str(tmp_path / "kept"), str(tmp_path / "pip.log"))
     assert status == 3 and tail == ["no ninja here"]
 
 
@@ -77,7 +106,7 @@ def test_a_timeout_kills_pip_and_every_process_it_started(nb, tmp_path, monkeypa
     monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, body))
     monkeypatch.setattr(nb, "COMPILE_CPU_MINUTES", 1 / 60)  # timeout: 4x the estimate = 4 s
     started = time.monotonic()
-    status, _ = nb.install_te(1, None, log_path=str(tmp_path / "pip.log"))
+    status, _ = nb.install_te(1, None, str(tmp_path / "kept"), str(tmp_path / "pip.log"))
     assert status is None and time.monotonic() - started < 30
     child = int(pids.read_text())
     time.sleep(0.5)
@@ -85,3 +114,40 @@ def test_a_timeout_kills_pip_and_every_process_it_started(nb, tmp_path, monkeypa
         ["ps", "-o", "stat=", "-p", str(child)], capture_output=True, text=True, check=False
     )
     assert state.stdout.strip() in ("", "Z"), "the background child outlived the timeout"
+
+
+class Bar:
+    """What run_pip asks of a progress bar (tqdm's total, n and refresh), recording each state."""
+
+    def __init__(self):
+        self.total, self.n, self.seen = None, 0, []
+
+    def refresh(self):
+        self.seen.append((self.n, self.total))
+
+
+def test_the_progress_bar_follows_the_compile_in_a_real_build_log(nb, tmp_path, monkeypatch):
+    """pip's output from a real `pip wheel -v` of TE's extension, captured in the Colab-like run
+    (tests/colab_like/, phase kept-build; lines cut at 400 characters): each file that ninja
+    finishes moves the bar, up to all of them."""
+    monkeypatch.setattr(nb.sys, "executable", fake_python(tmp_path, f"cat {CAPTURED_BUILD_LOG}"))
+    bar = Bar()
+    with open(tmp_path / "pip.log", "w") as log:
+        assert nb.run_pip(["wheel"], {}, log, 60, bar) == 0
+    assert (tmp_path / "pip.log").read_text() == CAPTURED_BUILD_LOG.read_text()
+    assert bar.seen[-1] == (nb.EXTENSION_FILES, nb.EXTENSION_FILES)
+    assert len(set(bar.seen)) >= 10
+
+
+def test_kept_wheels_are_found_only_for_this_python_torch_and_cuda(nb, tmp_path):
+    here = nb.wheel_folder(str(tmp_path), "3.13", "2.11.0+cu128", "12.8")
+    assert Path(here).name == "te2.20.2-py3.13-torch2.11.0+cu128-cuda12.8"
+    assert nb.kept_wheel(here) == (None, "nothing is kept there yet")
+    other = Path(nb.wheel_folder(str(tmp_path), "3.12", "2.10.0", "12.8"))
+    other.mkdir()
+    (other / "transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl").touch()
+    found, why = nb.kept_wheel(here)
+    assert found is None and "te2.20.2-py3.12-torch2.10.0-cuda12.8" in why
+    Path(here).mkdir()
+    (Path(here) / "transformer_engine_torch-2.20.2-cp313-cp313-linux_x86_64.whl").touch()
+    assert nb.kept_wheel(here) == (here, "")

@@ -25,6 +25,12 @@ import pytest
         ({"D_MODEL": 64.0}, "D_MODEL=64.0: must be a positive integer"),
         ({"SEED": -1}, "SEED=-1: must be an integer >= 0"),
         ({"RESULTS_JSON": 3}, "RESULTS_JSON=3: must be None or a file path"),
+        (
+            {"RESULTS_JSON": "/no/such/folder/results.json"},
+            "RESULTS_JSON='/no/such/folder/results.json': must be None or a file path in an",
+        ),
+        ({"TE_WHEEL_DIR": __file__ + "/te"}, "TE_WHEEL_DIR="),  # inside a file: not a folder
+        ({"TE_WHEEL_DIR": 7}, "TE_WHEEL_DIR=7: must be None or a folder this notebook may write"),
     ],
 )
 def test_each_rule_names_parameter_value_and_rule(nb, defaults, change, message):
@@ -51,3 +57,12 @@ def test_the_defaults_are_valid_and_become_lower_case_fields(nb, defaults):
 )
 def test_the_vocabulary_is_padded_for_fp8_gemms(nb, vocab, multiple, padded):
     assert nb.padded_vocab_size(vocab, multiple) == padded
+
+
+def test_a_wheel_folder_that_does_not_exist_yet_is_fine_where_it_can_be_made(
+    nb, defaults, tmp_path
+):
+    cfg = nb.check_parameters(defaults | {"TE_WHEEL_DIR": str(tmp_path / "drive" / "te_wheels")})
+    assert cfg.te_wheel_dir.endswith("te_wheels")
+    results = nb.check_parameters(defaults | {"RESULTS_JSON": str(tmp_path / "results.json")})
+    assert results.results_json.endswith("results.json")

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for note
 try:
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch import quantization
+    from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 except Exception as exc:  # not installed here, or TE's own load-time checks failed
     if os.environ.get("REQUIRE_TE") == "1":
         raise
@@ -32,15 +33,18 @@ CAPABILITY_NAMES |= {(12, 0): "NVIDIA RTX PRO 6000 Blackwell Server Edition"}
 
 def clear_tes_cached_checks():
     """TE caches each availability verdict: a new capability must be checked afresh."""
+    is_non_tn_fp8_gemm_supported.cache_clear()  # a functools.lru_cache
     for cache in ("_FP8_SUPPORT", "_MXFP8_SUPPORT", "_NVFP4_SUPPORT", "_FP8_BLOCK_SCALING_SUPPORT"):
         setattr(quantization, cache, None)
 
 
 @contextlib.contextmanager
-def cuda_device(capability=(9, 0)):
-    """Pretend that a CUDA device of this compute capability exists; clear TE's cached checks."""
+def cuda_device(capability=(9, 0), cuda=None):
+    """Pretend that a CUDA device of this compute capability exists (and, if given, that torch was
+    built with this CUDA version, as Colab's 12.8 torch is); clear TE's cached checks."""
     clear_tes_cached_checks()
     with (
+        mock.patch.object(torch.version, "cuda", cuda or torch.version.cuda),
         mock.patch.object(torch.cuda, "is_available", lambda: True),
         mock.patch.object(torch.cuda, "get_device_capability", lambda *device: capability),
         mock.patch.object(

@@ -3,6 +3,7 @@
 import ast
 import dataclasses
 import inspect
+import subprocess
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import transformer_engine_torch as tex
 from conftest import cuda_device
 from notebook_source import notebook_cells
 from transformer_engine.pytorch import quantization
+from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
 CPU = torch.device("cpu")
 
@@ -50,7 +53,9 @@ def test_every_te_call_in_the_notebook_exists_and_takes_its_arguments(name, node
     if isinstance(target, type):
         target = target.__init__ if target.__init__ is not object.__init__ else target
         positional = [None, *positional] if target is not type else positional
-    inspect.signature(target).bind(*positional, **keywords)
+    signature = inspect.signature(target)
+    unpacked = any(k.arg is None for k in node.keywords)  # **mapping: its keys are not in the code
+    (signature.bind_partial if unpacked else signature.bind)(*positional, **keywords)
 
 
 def test_a_misspelt_keyword_would_be_caught():
@@ -92,6 +97,10 @@ def test_the_composed_block_takes_a_transformer_layers_weights(nb, cfg):
     assert names == {k for k in layer.state_dict() if not k.endswith("_extra_state")}
 
 
+CAPABILITIES = {"L4": (8, 9), "H100 / H200": (9, 0), "G4 (RTX PRO 6000)": (12, 0)}
+
+
+@pytest.mark.parametrize("cuda", ["12.8", "13.0"])  # Colab's torch, and PyPI's
 @pytest.mark.parametrize(
     "capability, runtime, precision",
     [
@@ -102,14 +111,25 @@ def test_the_composed_block_takes_a_transformer_layers_weights(nb, cfg):
         ((12, 0), "G4 (RTX PRO 6000)", "fp8"),
     ],
 )
-def test_the_plan_from_tes_own_checks_is_the_notebooks_table(nb, capability, runtime, precision):
-    with cuda_device(capability):
+def test_the_plan_from_tes_own_checks_is_the_notebooks_table(
+    nb, capability, runtime, precision, cuda
+):
+    with cuda_device(capability, cuda):
         hw = nb.detect_hardware()
     plan, example = nb.choose_plan(hw), nb.EXAMPLE_RUNTIMES[runtime]
     assert (plan.precision, plan.backend) == (precision, nb.choose_plan(example).backend)
     assert hw.fp8_error == example.fp8_error  # TE's own words for the A100
     if precision == "fp8":  # what te.get_default_recipe() picks on this GPU
         assert hw.te_default_recipe == example.te_default_recipe
+
+
+@pytest.mark.parametrize("cuda", ["12.8", "13.0"])
+@pytest.mark.parametrize("runtime", list(CAPABILITIES))
+def test_the_recipe_table_is_what_tes_checks_say_with_each_cuda(nb, runtime, cuda):
+    """Float8BlockScaling needs a torch built with CUDA 12.9+: not Colab's 12.8 torch."""
+    with cuda_device(CAPABILITIES[runtime], cuda):
+        runs = tuple(name for name, ok, _ in nb.other_recipes_here() if ok)
+    assert runs == nb.RECIPES_BY_CUDA[runtime][cuda]
 
 
 def test_blackwell_datacenter_gpus_get_fp8_and_tes_default_there_is_mxfp8(nb):
@@ -126,23 +146,55 @@ def test_blackwell_datacenter_gpus_get_fp8_and_tes_default_there_is_mxfp8(nb):
 
 
 @pytest.mark.parametrize(
-    "capability, fp8_rows",
+    "capability, cuda, fp8_rows",
     [
-        ((8, 0), []),
-        ((9, 0), ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]),
-        (
-            (12, 0),
-            ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "NVFP4BlockScaling"],
-        ),
+        ((8, 0), "12.8", []),
+        ((9, 0), "12.8", ["DelayedScaling", "Float8CurrentScaling"]),
+        ((9, 0), "13.0", ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"]),
+        ((12, 0), "12.8", ["DelayedScaling", "Float8CurrentScaling", "NVFP4BlockScaling"]),
     ],
 )
-def test_the_benchmark_times_every_recipe_te_says_this_gpu_runs(nb, cfg, capability, fp8_rows):
-    with cuda_device(capability):
+def test_the_benchmark_times_every_recipe_te_says_this_gpu_runs(nb, capability, cuda, fp8_rows):
+    with cuda_device(capability, cuda):
         hw = nb.detect_hardware()
         rows = nb.benchmark_precisions(hw, nb.choose_plan(hw), te_recipes.DelayedScaling())
     labels = [label for label, *_ in rows]
     assert labels[:3] == ["FP32 (PyTorch)", "BF16 (PyTorch)", "BF16 (TE)"]
     assert labels[3:] == [f"FP8 {name} (TE)" for name in fp8_rows]
+
+
+@pytest.mark.parametrize(
+    "capability, keeps_transpose",
+    [((8, 9), True), ((9, 0), True), ((10, 0), False), ((12, 0), True)],
+)
+def test_fp8_weights_keep_a_transpose_where_tes_fp8_gemms_are_tn_only(capability, keeps_transpose):
+    """Section 10.6's claim, from TE's own check: L4, H100/H200 and G4 keep a transpose."""
+    with cuda_device(capability):
+        assert is_non_tn_fp8_gemm_supported() is not keeps_transpose
+
+
+def test_fp8_weights_can_drop_their_cached_transpose():
+    """Section 10.6 calls this after each FusedAdam step; TE's Float8Tensor must have it, and the
+    fused FP8 update must be the path that writes the FP8 bytes in place (fused_adam.py)."""
+    assert callable(Float8Tensor._reset_caches)
+    source = inspect.getsource(te.optimizers.FusedAdam.step)
+    assert "p_fp8_model.append(local_p._data.data)" in source and "_reset_caches" not in source
+
+
+def test_forgetting_other_fp8_models_empties_tes_global_list(nb):
+    """TE registers every delayed-scaling module it runs in one global list, updated at every FP8
+    autocast exit; the notebook resets it before each timed or compared run."""
+    recipe = te_recipes.DelayedScaling(amax_history_len=4)
+    meta = {"recipe": recipe, "fp8_group": None}
+    for key, mode in (("scaling_fwd", "forward"), ("scaling_bwd", "backward")):
+        meta[key] = quantization.DelayedScalingRecipeState(
+            recipe, mode=mode, num_quantizers=3, device=CPU
+        )
+    quantization.FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
+    assert quantization.FP8GlobalStateManager.quantization_state.global_amax_buffer
+    nb.forget_other_fp8_models(te)
+    assert not quantization.FP8GlobalStateManager.quantization_state.global_amax_buffer
+    nb.forget_other_fp8_models(nb.standin)  # the stand-in keeps no global list: nothing to do
 
 
 def test_nvfp4_on_sm12x_runs_without_the_hadamard_transform_and_stochastic_rounding(nb):
@@ -259,3 +311,103 @@ def test_fused_adam_has_the_master_weight_calls_the_notebook_makes():
     inspect.signature(te.optimizers.FusedAdam.set_scaled_state).bind(
         None, None, "master_param", None
     )
+
+
+def test_the_data_parallel_recipe_is_tes_own_dataclass_with_reduce_amax(nb):
+    """Section 10.8 turns the reduction off with dataclasses.replace(recipe, reduce_amax=False),
+    and the script builds DelayedScaling from the notebook's fields."""
+    fields = {
+        "fp8_format": "HYBRID",
+        "amax_history_len": 16,
+        "amax_compute_algo": "max",
+        "margin": 0,
+    }
+    recipe = te_recipes.DelayedScaling(**fields | {"fp8_format": te_recipes.Format.HYBRID})
+    assert (
+        dataclasses.replace(recipe, reduce_amax=False).reduce_amax is False and recipe.reduce_amax
+    )
+    assert "amax_reduction_group" in inspect.signature(te.autocast).parameters
+
+
+def test_the_data_parallel_script_runs_under_torchrun_beside_te(nb, cfg, tmp_path):
+    """Here TE imports (after the script loads pip's cuDNN itself) but no GPU exists: the script
+    trains the stand-in on two gloo ranks, with TE's own DelayedScaling as the recipe."""
+    path = nb.write_data_parallel_script(str(tmp_path / "fp8_ddp.py"))
+    small = dataclasses.replace(cfg, d_model=64, ffn_hidden=128, batch_size=16)
+    command = nb.data_parallel_command(small, path, ranks=2, steps=2)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("FP8 scales and histories True, weights True") == 2, run.stdout
+
+
+def random_tensors(count=12):
+    """Activation-like tensors over 24 orders of magnitude, each with a block of zeros."""
+    g = torch.Generator().manual_seed(0)
+    for k in range(count):
+        x = torch.randn(128, 128, generator=g) * torch.exp(2 * torch.randn(128, 128, generator=g))
+        x[:16, :16] = 0
+        yield x * 10.0 ** (2 * k - 12)
+
+
+def test_the_current_scaling_reference_is_tes_own_python_reference_bitwise(nb):
+    """TE's CurrentScalingQuantizerRef (custom_recipes): the same scale, the same FP8 values."""
+    from transformer_engine.pytorch.custom_recipes.reference_current_scaling import (
+        CurrentScalingQuantizerRef,
+    )
+
+    for x in random_tensors():
+        for fmt, dtype in (("E4M3", torch.float8_e4m3fn), ("E5M2", torch.float8_e5m2)):
+            te_scale, _, _ = CurrentScalingQuantizerRef.compute_scale(x, dtype)
+            scale, _ = nb.current(fmt)(x.abs().max().reshape(1))
+            assert torch.equal(scale, te_scale)
+            assert torch.equal(
+                (x * scale).clamp(-nb.FP8_MAX[fmt], nb.FP8_MAX[fmt]).to(dtype),
+                (x * te_scale).to(dtype),
+            )
+
+
+@pytest.mark.parametrize("tile", [(1, 16), (16, 16)])  # activations and gradients; weights
+def test_the_nvfp4_reference_is_tes_own_python_reference_bitwise(nb, tile):
+    """TE's NVFP4QuantizerRef (custom_recipes): the same E4M3 block scales, the same E2M1 values
+    (the Hadamard transform and stochastic rounding off, as in the notebook's reference)."""
+    from transformer_engine.pytorch.custom_recipes import reference_utils
+    from transformer_engine.pytorch.custom_recipes.reference_nvfp4 import (
+        NVFP4QuantizerRef,
+        cast_from_fp4x2,
+    )
+
+    rows, cols = tile
+    reference = NVFP4QuantizerRef(reference_utils.Fp4Formats.E2M1, quant_tile_shape=tile)
+    for x in random_tensors():
+        amax = x.abs().max().reshape(1)
+        codes, block_scales = reference._quantize_blockwise_reference(
+            x, amax, cols, rows, pow_2_scales=False, eps=0.0
+        )
+        tiles = x.reshape(128 // rows, rows, 128 // cols, cols)
+        scale, undo = nb.nvfp4(x.abs().max())(tiles.abs().amax(dim=(1, 3), keepdim=True))
+        assert torch.equal(
+            nb.round_e2m1(tiles * scale).reshape(128, 128), cast_from_fp4x2(codes, torch.float32)
+        )
+        ours = (undo * nb.max_over(amax, 448 * 6.0)).to(torch.float8_e4m3fn).float()
+        assert torch.equal(
+            ours.expand(-1, rows, -1, 1).reshape(128, 128 // cols), block_scales.float()
+        )
+
+
+def test_tes_quantizers_take_the_notebooks_arguments():
+    """Section 10.7's check builds these on a GPU; here TE's own constructors run (NVFP4's wants
+    a GPU, so its signature is bound instead)."""
+    e4m3, rows = tex.DType.kFloat8E4M3, {"rowwise": True, "columnwise": False}
+    with cuda_device():
+        te.Float8CurrentScalingQuantizer(e4m3, CPU, **rows)
+        assert te.Float8BlockQuantizer(e4m3, **rows, block_scaling_dim=1).block_scaling_dim == 1
+        te.MXFP8Quantizer(e4m3, **rows)
+    inspect.signature(te.NVFP4Quantizer).bind(**rows)
+
+
+def test_block_scaling_wants_multiples_of_128_as_the_notebook_pads_for():
+    quantizer = te.Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False)
+    assert quantizer.is_quantizable(torch.empty(256, 128))
+    assert not quantizer.is_quantizable(torch.empty(256, 112))  # a vocabulary padded to 16 only
+    for name, multiple in (("MXFP8BlockScaling", 32), ("NVFP4BlockScaling", 128)):
+        assert quantization.get_align_size_for_quantization(getattr(te_recipes, name)()) == multiple

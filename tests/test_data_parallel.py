@@ -1,0 +1,110 @@
+"""Section 10.8: data-parallel FP8 on torch.distributed, checked for real on two CPU ranks (gloo),
+and its script, written from the notebook's own cells, run under torchrun."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from notebook_source import notebook_cells, source
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def recipe(nb):
+    return nb.ReferenceRecipe(amax_history_len=16)
+
+
+def test_two_ranks_with_tes_reduction_hold_identical_fp8_state_and_weights_at_every_step(
+    nb, cfg, recipe
+):
+    runs = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, recipe, nb.standin, CPU, 3)
+    assert [run["same"] for run in runs] == [[(True, True)] * 3] * 2
+    assert runs[0]["losses"] != runs[1]["losses"]  # each rank trained on its own half
+
+
+def test_without_the_reduction_the_ranks_scales_differ_but_ddp_keeps_the_weights_equal(
+    nb, cfg, recipe
+):
+    unreduced = dataclasses.replace(recipe, reduce_amax=False)
+    runs = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, unreduced, nb.standin, CPU, 2)
+    assert [run["same"] for run in runs] == [[(False, True)] * 2] * 2
+
+
+def test_the_first_steps_forward_state_is_one_processs_on_the_joined_batch(nb, cfg, recipe):
+    (rank0, _) = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, recipe, nb.standin, CPU, 1)
+    torch.manual_seed(cfg.seed)
+    single = nb.CausalLM(cfg, nb.standin, CPU)
+    optimizer = torch.optim.AdamW(single.parameters(), lr=cfg.learning_rate, weight_decay=0.01)
+    batch = nb.training_batch(cfg, torch.Generator().manual_seed(cfg.seed))
+    nb.train_step(single, batch, optimizer, recipe, None, nb.standin)
+    one = nb.fp8_state_rows(single)
+    forward = [(r, o) for r, o in zip(rank0["first_step"], one, strict=True)]
+    assert all(r == o for r, o in forward if "grad" not in r["tensor"])
+    ratios = [r["amax"] / o["amax"] for r, o in forward if "grad" in r["tensor"]]
+    assert 1.5 < sorted(ratios)[len(ratios) // 2] < 2.5  # each rank's loss: a mean over half
+
+
+def test_a_failing_rank_is_reported_with_its_traceback(nb):
+    def fails():
+        raise ValueError("this rank's problem")
+
+    with pytest.raises(RuntimeError, match="this rank's problem"):
+        nb.run_on_cpu_ranks(2, fails)
+
+
+def script_text(nb, tmp_path):
+    return open(nb.write_data_parallel_script(str(tmp_path / "fp8_ddp.py"))).read()
+
+
+def test_the_script_is_the_notebooks_own_cells_so_it_cannot_drift(nb, tmp_path):
+    text = script_text(nb, tmp_path)
+    for piece in (
+        "class CausalLM(",
+        "def train_step(",
+        "def train_data_parallel(",
+        "def update_scales(",
+    ):
+        (cell,) = [c for c in notebook_cells("defs") if piece in source(c)]
+        assert source(cell) in text  # the whole cell, verbatim
+    compile(text, "fp8_ddp.py", "exec")  # and it is Python
+
+
+def test_the_script_runs_under_torchrun_on_two_cpu_ranks(nb, cfg, tmp_path):
+    path = nb.write_data_parallel_script(str(tmp_path / "fp8_ddp.py"))
+    command = nb.data_parallel_command(cfg, path, ranks=2, steps=2)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 rank(s) on cpu, FP8 through the FP8 reference" in run.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: loss" in run.stdout
+    assert run.stdout.count("FP8 scales and histories True, weights True") == 2
+
+
+GLOO_THREADS_AFTER_DESTROY = """
+import glob
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+torch.nn.parallel.DistributedDataParallel(nn.Linear(16, 16))
+dist.destroy_process_group()
+names = [open(task).read() for task in glob.glob("/proc/self/task/*/comm")]
+print(sum("gloo" in name for name in names))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_the_scripts_imports_let_destroy_process_group_stop_gloos_threads(nb):
+    """DDP imports torch.distributed.nn lazily; imported once a group exists, its functions'
+    defaults (group=group.WORLD) keep the group and its gloo threads alive past
+    destroy_process_group, and such a thread freeing a gather's tensors as Python exits aborts the
+    rank (1 torchrun run in 8 here, before the script imported it first; none in 60 after)."""
+    imports = nb.SCRIPT_HEADER.split('"""', 2)[2]
+    run = subprocess.run(
+        [sys.executable, "-c", imports + GLOO_THREADS_AFTER_DESTROY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert run.stdout.split() == ["0"]
