@@ -303,6 +303,19 @@ def test_the_update_rule_matches_tes_own_python_update(nb, algo, margin, forward
     assert fp8_max == nb.FP8_MAX[nb.fp8_formats(recipe)["forward" if forward else "backward"]]
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_te_takes_a_history_of_one_as_most_recent_and_keeps_no_amax_after_the_update(algo):
+    """What AMAX_HISTORY_LEN's rule says of TE, from TE's own update: one row is accepted, its
+    scale comes from this step's amax whatever the algorithm, and the update clears the row, so
+    nothing is left for the notebook to read in row -1 (hence its own limit of 2)."""
+    recipe = te_recipes.DelayedScaling(amax_history_len=1, amax_compute_algo=algo)
+    amaxes = torch.tensor([[2.0, 0.5, 300.0]])
+    history, scale = amaxes.clone(), torch.ones(3)
+    quantization._amax_and_scale_update(history, scale, 448.0, recipe)
+    torch.testing.assert_close(scale, 448.0 / amaxes[0], rtol=2.5e-7, atol=0)
+    assert torch.equal(history, torch.zeros(1, 3))
+
+
 def test_fused_adam_has_the_master_weight_calls_the_notebook_makes():
     assert "master_weights" in inspect.signature(te.optimizers.FusedAdam.__init__).parameters
     inspect.signature(te.optimizers.FusedAdam.initialize_state).bind(
