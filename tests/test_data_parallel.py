@@ -41,7 +41,7 @@ def test_the_first_steps_forward_state_is_one_processs_on_the_joined_batch(nb, c
     batch = nb.training_batch(cfg, torch.Generator().manual_seed(cfg.seed))
     nb.train_step(single, batch, optimizer, recipe, None, nb.standin)
     one = nb.fp8_state_rows(single)
-    forward = [(r, o) for r, o in zip(rank0["first_step"], one, strict=True)]
+    forward = list(zip(rank0["first_step"], one, strict=True))
     assert all(r == o for r, o in forward if "grad" not in r["tensor"])
     ratios = [r["amax"] / o["amax"] for r, o in forward if "grad" in r["tensor"]]
     assert 1.5 < sorted(ratios)[len(ratios) // 2] < 2.5  # each rank's loss: a mean over half

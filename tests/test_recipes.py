@@ -27,7 +27,8 @@ def test_block_scaling_gives_each_block_its_own_power_of_two_scale(nb):
     scale, _ = nb.current("E4M3", power_of_two=True)(x.reshape(1, 1, 2, 128).abs().amax(dim=(1, 3)))
     assert scale.flatten().tolist() == [128.0, 262144.0]  # 448/3 = 149.3 -> 128; 448e3 -> 2^18
     out, _, flushed = nb.fake_quantize(x, (1, 128), "E4M3", nb.current("E4M3", power_of_two=True))
-    assert torch.equal(out, x.to(torch.float8_e4m3fn).float()) or flushed == 0  # no block flushes
+    # 3 x 128 = 384 is exact in E4M3; 1e-3 x 2^18 = 262.1 rounds to 256 (a step of 32 there)
+    assert out[0, :128].eq(3.0).all() and out[0, 128:].eq(256 / 2**18).all() and flushed == 0
     per_tensor, _, flushed_whole = nb.fake_quantize(x, None, "E4M3", nb.current("E4M3"))
     assert flushed_whole == 0 and (per_tensor[0, 128:] != x[0, 128:]).any()  # one scale: coarser
 
