@@ -65,7 +65,7 @@ class StrideOracle(torch.nn.Module):
 
 def test_greedy_generation_with_a_perfect_model_scores_one(nb):
     prompts, _ = nb.make_stride_batch(32, 5, 37, 6, gen())
-    new = nb.generate_greedy(StrideOracle(37), prompts, 9, te=nb.standin)
+    new = nb.generate_greedy(StrideOracle(37), prompts, 9)
     assert new.shape == (32, 9)
     assert nb.stride_scores(prompts, new, 37)["sequence_accuracy"] == 1.0
 
@@ -73,7 +73,7 @@ def test_greedy_generation_with_a_perfect_model_scores_one(nb):
 def test_right_padding_leaves_every_real_position_unchanged(nb, cfg):
     """What FP8 decoding relies on: the causal mask hides the padding from earlier positions."""
     torch.manual_seed(0)
-    model = nb.CausalLM(cfg, nb.standin, CPU)
+    model = nb.CausalLM(cfg, CPU)
     prompts, _ = nb.make_stride_batch(8, 5, cfg.vocab_size, cfg.max_stride, gen())
     with torch.no_grad():
         plain, padded = model(prompts), model(torch.nn.functional.pad(prompts, (0, 11)))
@@ -82,11 +82,11 @@ def test_right_padding_leaves_every_real_position_unchanged(nb, cfg):
 
 def test_decoding_pads_the_context_to_16_only_under_fp8(nb, cfg):
     torch.manual_seed(0)
-    model, lengths = nb.CausalLM(cfg, nb.standin, CPU), []
+    model, lengths = nb.CausalLM(cfg, CPU), []
     model.register_forward_pre_hook(lambda m, args: lengths.append(args[0].shape[1]))
     prompts, _ = nb.make_stride_batch(8, cfg.prompt_len, cfg.vocab_size, cfg.max_stride, gen())
-    nb.generate_greedy(model, prompts, cfg.gen_tokens, te=nb.standin)
+    nb.generate_greedy(model, prompts, cfg.gen_tokens)
     assert lengths == list(range(cfg.prompt_len, cfg.prompt_len + cfg.gen_tokens))
     lengths.clear()
-    new = nb.generate_greedy(model, prompts, cfg.gen_tokens, nb.ReferenceRecipe(), te=nb.standin)
+    new = nb.generate_greedy(model, prompts, cfg.gen_tokens, nb.ReferenceRecipe())
     assert set(lengths) == {16} and new.shape == (8, cfg.gen_tokens)

@@ -20,7 +20,7 @@ def recipe(nb):
 def test_two_ranks_with_tes_reduction_hold_identical_fp8_state_and_weights_at_every_step(
     nb, cfg, recipe
 ):
-    runs = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, recipe, nb.standin, CPU, 3)
+    runs = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, recipe, CPU, 3)
     assert [run["same"] for run in runs] == [[(True, True)] * 3] * 2
     assert runs[0]["losses"] != runs[1]["losses"]  # each rank trained on its own half
 
@@ -29,17 +29,17 @@ def test_without_the_reduction_the_ranks_scales_differ_but_ddp_keeps_the_weights
     nb, cfg, recipe
 ):
     unreduced = dataclasses.replace(recipe, reduce_amax=False)
-    runs = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, unreduced, nb.standin, CPU, 2)
+    runs = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, unreduced, CPU, 2)
     assert [run["same"] for run in runs] == [[(False, True)] * 2] * 2
 
 
 def test_the_first_steps_forward_state_is_one_processs_on_the_joined_batch(nb, cfg, recipe):
-    (rank0, _) = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, recipe, nb.standin, CPU, 1)
+    (rank0, _) = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, recipe, CPU, 1)
     torch.manual_seed(cfg.seed)
-    single = nb.CausalLM(cfg, nb.standin, CPU)
+    single = nb.CausalLM(cfg, CPU)
     optimizer = torch.optim.AdamW(single.parameters(), lr=cfg.learning_rate, weight_decay=0.01)
     batch = nb.training_batch(cfg, torch.Generator().manual_seed(cfg.seed))
-    nb.train_step(single, batch, optimizer, recipe, None, nb.standin)
+    nb.train_step(single, batch, optimizer, recipe)
     one = nb.fp8_state_rows(single)
     forward = list(zip(rank0["first_step"], one, strict=True))
     assert all(r == o for r, o in forward if "grad" not in r["tensor"])
@@ -85,6 +85,9 @@ def test_the_script_runs_under_torchrun_on_two_cpu_ranks(nb, cfg, tmp_path):
 
 GLOO_THREADS_AFTER_DESTROY = """
 import glob
+import torch
+import torch.distributed as dist
+from torch import nn
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 torch.nn.parallel.DistributedDataParallel(nn.Linear(16, 16))
 dist.destroy_process_group()
@@ -99,7 +102,9 @@ def test_the_scripts_imports_let_destroy_process_group_stop_gloos_threads(nb):
     defaults (group=group.WORLD) keep the group and its gloo threads alive past
     destroy_process_group, and such a thread freeing a gather's tensors as Python exits aborts the
     rank (1 torchrun run in 8 here, before the script imported it first; none in 60 after)."""
-    imports = nb.SCRIPT_HEADER.split('"""', 2)[2]
+    (cell,) = [c for c in notebook_cells("defs") if "def train_data_parallel(" in source(c)]
+    imports = source(cell).split("\n\n\ndef ")[0]  # the cell's imports, which the script has too
+    assert "import torch.distributed.nn" in imports
     run = subprocess.run(
         [sys.executable, "-c", imports + GLOO_THREADS_AFTER_DESTROY],
         capture_output=True,

@@ -102,21 +102,17 @@ def test_a_reference_cast_folds_its_amax_into_row_0_and_records_what_it_lost(nb)
     assert s.shares[:, 0].tolist() == [0.5, 0.25]  # saturated, flushed
 
 
-def test_fp8_matmul_on_a_cpu_runs_scaled_mm_on_the_fp8_operands(nb, monkeypatch):
+def test_fp8_matmul_on_a_cpu_computes_what_scaled_mm_computes_on_the_fp8_operands(nb):
+    """On a CPU the reference's GEMM is FP32 arithmetic on the FP8 values (oneDNN's FP8 kernel is
+    its slow reference one on CPUs without AMX-FP16); it must equal torch._scaled_mm's result."""
     s, fp8 = state(nb, n=2), nb.ReferenceFP8(nb.ReferenceRecipe())
     s.scale[:] = torch.tensor([64.0, 16.0])
     a, a_inv = fp8.cast(torch.randn(32, 48), s, 0, "forward")
     b, b_inv = fp8.cast(torch.randn(48, 24), s, 1, "backward")
-    calls, scaled_mm = [], torch._scaled_mm
-    monkeypatch.setattr(
-        torch, "_scaled_mm", lambda *args, **kw: calls.append(args) or scaled_mm(*args, **kw)
-    )
-    product = nb.fp8_matmul(a, a_inv, b, b_inv)
-    assert len(calls) == 1 and calls[0][0].dtype == torch.float8_e4m3fn
-    assert calls[0][1].dtype == torch.float8_e5m2
-    torch.testing.assert_close(
-        product, (a.float() * a_inv) @ (b.float() * b_inv), rtol=1e-5, atol=1e-5
-    )
+    assert (a.dtype, b.dtype) == (torch.float8_e4m3fn, torch.float8_e5m2)
+    column_major = b.t().contiguous().t()
+    expected = torch._scaled_mm(a, column_major, a_inv, b_inv, out_dtype=torch.float32)
+    torch.testing.assert_close(nb.fp8_matmul(a, a_inv, b, b_inv), expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("fmt", ["HYBRID", "E4M3"])
@@ -141,7 +137,7 @@ def test_the_reference_linear_beats_20_db_forward_and_backward(nb, fmt):
 
 def tiny_model(nb, cfg):
     torch.manual_seed(0)
-    return nb.CausalLM(dataclasses.replace(cfg, n_layers=1), nb.standin, CPU)
+    return nb.CausalLM(dataclasses.replace(cfg, n_layers=1), CPU)
 
 
 def fp8_step(nb, cfg, model, grad=True, recipe=None):
@@ -216,6 +212,23 @@ def test_check_scale_update_agrees_with_the_reference_and_catches_a_broken_updat
     assert nb.check_scale_update(model, recipe, broken_step)[1] is False
 
 
+def test_check_scale_update_recomputes_the_rule_itself_so_a_wrong_rule_fails_it(
+    nb, cfg, monkeypatch
+):
+    """The check does not call update_scales: a reference whose rule is wrong (a scale of
+    fp8_max / amax / 2, as if the margin were 1) fails it, with the roll still right."""
+    model, recipe = tiny_model(nb, cfg), nb.ReferenceRecipe(amax_history_len=16)
+    fp8_step(nb, cfg, model)
+    rule = nb.update_scales
+
+    def halved(history, scale, fp8_max, margin=0, algo="max"):
+        rule(history, scale, fp8_max / 2, margin, algo)
+
+    monkeypatch.setattr(nb, "update_scales", halved)
+    worst, rolled = nb.check_scale_update(model, recipe, lambda: fp8_step(nb, cfg, model))
+    assert rolled and worst == pytest.approx(0.5)  # every scale half what the rule gives
+
+
 def test_the_state_table_reads_newest_amax_window_max_and_scale(nb, cfg):
     model = tiny_model(nb, cfg)
     for _ in range(2):
@@ -242,5 +255,5 @@ def test_the_lm_head_in_fp8_beats_20_db_against_fp32_after_calibration(nb, cfg):
     model = tiny_model(nb, cfg)
     fp8_step(nb, cfg, model)
     batch = nb.training_batch(cfg, torch.Generator().manual_seed(3))
-    result = nb.head_sqnr(model, batch, nb.ReferenceRecipe(amax_history_len=16), nb.standin)
+    result = nb.head_sqnr(model, batch, nb.ReferenceRecipe(amax_history_len=16))
     assert result["output_db"] > 20 and result["weight_grad_db"] > 20

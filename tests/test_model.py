@@ -11,7 +11,7 @@ CPU = torch.device("cpu")
 
 def twin(nb, cfg):
     torch.manual_seed(0)
-    return nb.CausalLM(cfg, nb.standin, CPU)
+    return nb.CausalLM(cfg, CPU)
 
 
 @pytest.mark.parametrize("change", [{}, {"vocab_size": 100}, {"n_layers": 3, "ffn_hidden": 96}])
@@ -89,13 +89,13 @@ def test_attention_runs_along_the_sequence_not_the_batch(nb, cfg):
 
 def test_training_lowers_the_loss(nb, cfg):
     cfg = dataclasses.replace(cfg, train_steps=60)
-    result = nb.train(twin(nb, cfg), cfg, te=nb.standin)
+    result = nb.train(twin(nb, cfg), cfg)
     assert len(result.losses) == 60 and result.seconds > 0
     assert result.final_loss < 0.7 * result.losses[0]
 
 
 def test_training_tracks_what_it_is_asked_to_after_every_step(nb, cfg):
-    result = nb.train(twin(nb, cfg), cfg, te=nb.standin, steps=3, track=lambda m: id(m))
+    result = nb.train(twin(nb, cfg), cfg, steps=3, track=lambda m: id(m))
     assert len(result.tracked) == 3
 
 
@@ -104,7 +104,7 @@ def test_a_non_finite_loss_stops_training_naming_the_step(nb, cfg):
     with torch.no_grad():
         model.head.bias[0] = float("nan")
     with pytest.raises(FloatingPointError, match="at step 0; try a lower LEARNING_RATE"):
-        nb.train(model, cfg, te=nb.standin)
+        nb.train(model, cfg)
 
 
 def test_the_learning_rate_warms_up_then_decays(nb, cfg, monkeypatch):
@@ -115,7 +115,7 @@ def test_the_learning_rate_warms_up_then_decays(nb, cfg, monkeypatch):
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", spy)
-    nb.train(twin(nb, cfg), dataclasses.replace(cfg, train_steps=50), te=nb.standin)
+    nb.train(twin(nb, cfg), dataclasses.replace(cfg, train_steps=50))
     warmup = 50 // 10
     assert rates[:warmup] == pytest.approx(
         [cfg.learning_rate * (s + 1) / warmup for s in range(warmup)]
@@ -125,7 +125,7 @@ def test_the_learning_rate_warms_up_then_decays(nb, cfg, monkeypatch):
 
 
 def test_weights_load_by_name_and_shape_and_mismatches_are_named(nb, cfg):
-    source, target = twin(nb, cfg), nb.CausalLM(cfg, nb.standin, CPU)
+    source, target = twin(nb, cfg), nb.CausalLM(cfg, CPU)
     nb.load_weights(
         target, source.state_dict() | {"head._extra_state": None}
     )  # TE metadata: ignored
@@ -134,15 +134,27 @@ def test_weights_load_by_name_and_shape_and_mismatches_are_named(nb, cfg):
         nb.load_weights(target, source.state_dict() | {"head.extra_weight": torch.zeros(1)})
 
 
-def test_a_run_on_tes_modules_starts_by_forgetting_the_fp8_models_te_has_seen(nb, cfg):
-    """TE updates every delayed-scaling module it has run at each FP8 autocast exit; a timed or
-    compared run resets that list first (TE's own reset is run in tests/te_stage)."""
+def test_a_run_on_tes_modules_empties_tes_list_and_lets_its_own_model_rejoin_it(nb, cfg):
+    """TE updates every delayed-scaling module of its global list at each FP8 autocast exit, and
+    leaves out for good a module that still holds a place in an old list: a run empties the
+    list and clears its own model's places (TE's own code runs in tests/te_stage)."""
     resets = []
-    manager = types.SimpleNamespace(reset=lambda: resets.append("reset"))
+    manager = types.SimpleNamespace(
+        reset=lambda: resets.append("reset"), get_buffer_info=lambda: "place"
+    )
     like_te = types.SimpleNamespace(**vars(nb.standin))  # the stand-in's modules, but not it
     like_te.quantization = types.SimpleNamespace(FP8GlobalStateManager=manager)
-    nb.train(twin(nb, cfg), cfg, te=like_te, steps=2)
-    nb.time_training_steps(cfg, like_te, None, None, CPU, warmup=0, repeats=1)
-    assert resets == ["reset", "reset"]
-    nb.train(twin(nb, cfg), cfg, te=nb.standin, steps=2)  # the stand-in keeps no global list
-    assert resets == ["reset", "reset"]
+    model = twin(nb, cfg)
+    model.head.fp8_meta["place"] = [0, "forward_recipe=..."]  # as a run before this one left it
+    with nb.using(like_te):
+        nb.train(model, cfg, steps=2)
+    assert resets == ["reset"] and "place" not in model.head.fp8_meta
+    nb.train(twin(nb, cfg), cfg, steps=2)  # the stand-in keeps no global list: nothing to reset
+    assert resets == ["reset"]
+
+
+def test_using_puts_other_modules_in_tes_place_and_restores_it(nb, cfg):
+    other = types.SimpleNamespace(**vars(nb.standin))
+    with nb.using(other):
+        assert nb.te is other
+    assert nb.te is nb.standin

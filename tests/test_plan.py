@@ -1,5 +1,6 @@
 """The precision plan: a pure function of the hardware facts, for every runtime users have."""
 
+import dataclasses
 import re
 
 import pytest
@@ -46,26 +47,30 @@ def test_the_readme_recipe_table_is_the_computed_one(nb):
 def test_a100_steps_down_in_tes_own_words(nb):
     assert nb.EXAMPLE_RUNTIMES["A100"].fp8_error == TE_SAYS_TOO_OLD
     plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["A100"])
-    assert plan.fallbacks == (f"not fp8: Transformer Engine says: {TE_SAYS_TOO_OLD}",)
+    assert plan.fallbacks == {"FP8": f"Transformer Engine says: {TE_SAYS_TOO_OLD}"}
 
 
 def test_cpu_plan_explains_every_step_down(nb):
     plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["CPU"])
-    assert [f.split(":")[0] for f in plan.fallbacks] == ["not fp8", "not bf16", "not fp16"]
-    assert "emulates BF16" in plan.fallbacks[1]
+    assert list(plan.fallbacks) == ["FP8", "BF16", "FP16"]
+    assert plan.fallbacks["BF16"] == "on a CPU, BF16 is often slower than FP32"
+    assert plan.reason == "FP32 throughout, on PyTorch modules" and plan.recipe is None
 
 
 def test_t4_steps_down_for_missing_te_and_missing_bf16(nb):
     plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["T4"])
-    assert "Transformer Engine is not usable" in plan.fallbacks[0]
-    assert "7.5 has no BF16" in plan.fallbacks[1]
-    assert "gradient scaler" in plan.reason
+    assert "Transformer Engine is not usable" in plan.fallbacks["FP8"]
+    assert "7.5 has no BF16" in plan.fallbacks["BF16"]
+    assert (
+        plan.reason
+        == "FP16 autocast with a gradient scaler, FP32 master weights, on PyTorch modules"
+    )
 
 
 def test_an_fp8_gpu_without_te_falls_back_to_pytorch_bf16(nb):
     plan = nb.choose_plan(nb.Hardware("NVIDIA L4", (8, 9), "No module named 'transformer_engine'"))
     assert (plan.precision, plan.backend) == ("bf16", "torch")
-    assert "not usable" in plan.fallbacks[0]
+    assert "not usable" in plan.fallbacks["FP8"]
 
 
 def test_forcing_a_precision_the_runtime_lacks_says_what_it_has(nb):
@@ -79,10 +84,34 @@ def test_forcing_a_precision_the_runtime_lacks_says_what_it_has(nb):
 
 def test_a_forced_possible_precision_has_no_step_downs(nb):
     plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["H100 / H200"], "fp32")
-    assert (plan.precision, plan.backend, plan.fallbacks) == ("fp32", "te", ())
-    assert "requested" in plan.reason
+    assert (plan.precision, plan.backend, plan.fallbacks) == ("fp32", "te", {})
+    assert plan.reason == "FP32 throughout, as requested, on Transformer Engine modules"
 
 
 def test_the_cpu_is_described_by_its_machine_and_cores(nb):
     hw = nb.detect_hardware()  # no CUDA here: the CPU branch
     assert hw.name.startswith("CPU (") and "cores" in hw.name and hw.capability is None
+
+
+def test_an_fp8_gpu_trains_with_this_notebooks_recipe_and_says_so(nb):
+    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["H100 / H200"])
+    assert (plan.recipe, plan.fallbacks) == ("DelayedScaling", {})
+    assert plan.reason.startswith("FP8 GEMMs with DelayedScaling, BF16 elsewhere, FP32 master")
+
+
+def test_where_a_delayed_scaling_step_raised_the_plan_takes_tes_default_and_says_why(nb):
+    """detect_hardware (tests/te_stage runs it with the step's failure injected) records TE's
+    own default recipe when one FP8 step of DelayedScaling raised and one of the default ran."""
+    raised = "one FP8 step with DelayedScaling raised RuntimeError: cuBLAS failed"
+    hw = nb.Hardware("RTX PRO 6000", (12, 0), None, None, "Float8CurrentScaling")
+    fallback = type("Float8CurrentScaling", (), {})()  # TE's recipe: only its name is read here
+    plan = nb.choose_plan(dataclasses.replace(hw, fp8_fallback=fallback, fp8_note=raised))
+    assert (plan.precision, plan.recipe) == ("fp8", "Float8CurrentScaling")
+    assert plan.fallbacks == {"DelayedScaling": raised}
+
+
+def test_where_fp8_steps_raised_everywhere_the_plan_steps_down_to_bf16_in_tes_words(nb):
+    raised = "one FP8 step with DelayedScaling raised RuntimeError: no kernel image"
+    plan = nb.choose_plan(nb.Hardware("NVIDIA H100", (9, 0), None, raised, "DelayedScaling"))
+    assert (plan.precision, plan.recipe) == ("bf16", None)
+    assert plan.fallbacks == {"FP8": f"Transformer Engine says: {raised}"}

@@ -1,5 +1,7 @@
 """Parameter validation: every rule fails fast, naming the parameter, its value and the rule."""
 
+import re
+
 import pytest
 
 
@@ -7,7 +9,8 @@ import pytest
     "change, message",
     [
         ({"PRECISION": "fp4"}, "PRECISION='fp4': must be one of auto, fp8, bf16, fp16, fp32"),
-        ({"D_MODEL": 60, "N_HEADS": 8}, "D_MODEL=60: must be divisible by N_HEADS"),
+        ({"D_MODEL": 60, "N_HEADS": 8}, "D_MODEL=60: must be divisible by N_HEADS=8"),
+        ({"N_HEADS": 3}, "D_MODEL=128: must be divisible by N_HEADS=3"),
         ({"FP8_FORMAT": "E5M2"}, "FP8_FORMAT='E5M2': must be HYBRID or E4M3"),
         ({"AMAX_COMPUTE_ALGO": "mean"}, "AMAX_COMPUTE_ALGO='mean': must be max or most_recent"),
         ({"AMAX_HISTORY_LEN": 1}, "AMAX_HISTORY_LEN=1: must be an integer >= 2"),
@@ -17,7 +20,7 @@ import pytest
             {"PROMPT_LEN": 20, "GEN_TOKENS": 13},
             "GEN_TOKENS=13: must be at most SEQ_LEN - PROMPT_LEN = 12",
         ),
-        ({"MAX_STRIDE": 100}, "MAX_STRIDE=100: must be smaller than VOCAB_SIZE"),
+        ({"MAX_STRIDE": 100}, "MAX_STRIDE=100: must be smaller than VOCAB_SIZE=100"),
         ({"LEARNING_RATE": 0.0}, "LEARNING_RATE=0.0: must be a number > 0"),
         ({"LEARNING_RATE": float("nan")}, "LEARNING_RATE=nan: must be a number > 0"),
         ({"BATCH_SIZE": 0}, "BATCH_SIZE=0: must be a positive integer"),
@@ -66,3 +69,34 @@ def test_a_wheel_folder_that_does_not_exist_yet_is_fine_where_it_can_be_made(
     assert cfg.te_wheel_dir.endswith("te_wheels")
     results = nb.check_parameters(defaults | {"RESULTS_JSON": str(tmp_path / "results.json")})
     assert results.results_json.endswith("results.json")
+
+
+def test_a_wheel_folder_on_google_drive_is_refused_until_drive_is_mounted(
+    nb, defaults, monkeypatch
+):
+    """Without the mount, /content/drive/... walks up to /content, which a Colab process may
+    write: the check must not let that pass, and says the two lines that mount Drive."""
+    drive_folder = {"TE_WHEEL_DIR": "/content/drive/MyDrive/te_wheels"}
+    monkeypatch.setattr(nb.os, "access", lambda path, mode: True)  # as on Colab: /content writable
+    monkeypatch.setattr(nb.os.path, "isdir", lambda path: True)
+    monkeypatch.setattr(nb.os.path, "exists", lambda path: path in ("/content", "/"))
+    monkeypatch.setattr(nb.os.path, "ismount", lambda path: False)
+    with pytest.raises(ValueError) as err:
+        nb.check_parameters(defaults | drive_folder)
+    assert "from google.colab import drive" in str(err.value)
+    assert 'drive.mount("/content/drive")' in str(err.value)
+    monkeypatch.setattr(nb.os.path, "ismount", lambda path: path == "/content/drive")
+    assert nb.check_parameters(defaults | drive_folder).te_wheel_dir == drive_folder["TE_WHEEL_DIR"]
+
+
+@pytest.mark.parametrize("version", ["2.5.1", "2.7.1+cu126", "2.6.0"])
+def test_a_torch_older_than_2_8_is_refused_at_the_parameters_cell(nb, version):
+    with pytest.raises(
+        RuntimeError, match=rf"torch {re.escape(version)}: this notebook needs torch 2.8\+"
+    ):
+        nb.check_torch(version)
+
+
+@pytest.mark.parametrize("version", ["2.8.0", "2.11.0+cu128", "2.13.0+cpu", "2.10.0a0+git1234"])
+def test_torch_2_8_and_newer_pass(nb, version):
+    nb.check_torch(version)
