@@ -78,7 +78,7 @@ def test_headless_run_records_every_experiment(headless):
     ran = {"fp8_vs_high_precision", "e4m3_vs_hybrid", "amax_history", "two_ranks"}
     ran |= {"recipes_on_real_tensors", "fp8_estimate"}
     needs_gpu = {"te_vs_standin", "te_vs_reference", "building_blocks", "fp8_weights"}
-    needs_gpu |= {"other_recipes", "te_quantizers_vs_references", "benchmark"}
+    needs_gpu |= {"te_quantizers_vs_references", "benchmark"}
     assert set(experiments) == ran | needs_gpu | {"data_parallel_script"}
     assert {name for name, e in experiments.items() if e["status"] == "ran"} == ran
     assert all(experiments[name]["status"] == "skipped" for name in needs_gpu)
