@@ -1,9 +1,9 @@
-"""Section 10.8: data-parallel FP8 on torch.distributed, checked for real on two CPU ranks (gloo),
-and its script, written from the notebook's own cells, run under torchrun."""
+"""Section 10.8: the data-parallel script, written from the notebook's own cells, run under
+torchrun on two CPU ranks (gloo), as the notebook's check runs it."""
 
-import dataclasses
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -13,46 +13,48 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def recipe(nb):
-    return nb.ReferenceRecipe(amax_history_len=16)
+def reduced(nb, cfg, tmp_path_factory):
+    """The script under torchrun on two CPU ranks, with TE's amax reduction: what each returned."""
+    path = str(tmp_path_factory.mktemp("ddp") / "fp8_ddp.py")
+    return nb.run_data_parallel(cfg, 2, 3, "--cpu", path=path)
 
 
-def test_two_ranks_with_tes_reduction_hold_identical_fp8_state_and_weights_at_every_step(
-    nb, cfg, recipe
-):
-    runs = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, recipe, CPU, 3)
-    assert [run["same"] for run in runs] == [[(True, True)] * 3] * 2
-    assert runs[0]["losses"] != runs[1]["losses"]  # each rank trained on its own half
+def test_two_ranks_with_tes_reduction_hold_identical_fp8_state_and_weights_at_every_step(reduced):
+    assert [run["same"] for run in reduced] == [[[True, True]] * 3] * 2
+    assert reduced[0]["losses"] != reduced[1]["losses"]  # each rank trained on its own half
 
 
 def test_without_the_reduction_the_ranks_scales_differ_but_ddp_keeps_the_weights_equal(
-    nb, cfg, recipe
+    nb, cfg, tmp_path
 ):
-    unreduced = dataclasses.replace(recipe, reduce_amax=False)
-    runs = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, unreduced, CPU, 2)
-    assert [run["same"] for run in runs] == [[(False, True)] * 2] * 2
+    path = str(tmp_path / "fp8_ddp.py")
+    unreduced = nb.run_data_parallel(cfg, 2, 2, "--cpu", "--no-amax-reduction", path=path)
+    assert [run["same"] for run in unreduced] == [[[False, True]] * 2] * 2
 
 
-def test_the_first_steps_forward_state_is_one_processs_on_the_joined_batch(nb, cfg, recipe):
-    (rank0, _) = nb.run_on_cpu_ranks(2, nb.train_data_parallel, cfg, recipe, CPU, 1)
+def test_the_first_steps_forward_state_is_one_processs_on_the_joined_batch(nb, cfg, reduced):
     torch.manual_seed(cfg.seed)
     single = nb.CausalLM(cfg, CPU)
     optimizer = torch.optim.AdamW(single.parameters(), lr=cfg.learning_rate, weight_decay=0.01)
     batch = nb.training_batch(cfg, torch.Generator().manual_seed(cfg.seed))
-    nb.train_step(single, batch, optimizer, recipe)
+    nb.train_step(single, batch, optimizer, nb.ReferenceRecipe(amax_history_len=16))
     one = nb.fp8_state_rows(single)
-    forward = list(zip(rank0["first_step"], one, strict=True))
+    forward = list(zip(reduced[0]["first_step"], one, strict=True))
     assert all(r == o for r, o in forward if "grad" not in r["tensor"])
     ratios = [r["amax"] / o["amax"] for r, o in forward if "grad" in r["tensor"]]
     assert 1.5 < sorted(ratios)[len(ratios) // 2] < 2.5  # each rank's loss: a mean over half
 
 
-def test_a_failing_rank_is_reported_with_its_traceback(nb):
-    def fails():
-        raise ValueError("this rank's problem")
+def test_a_command_past_its_time_limit_is_stopped_and_said_so(nb):
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="stopped after 1 s, its time limit: sleep 60"):
+        nb.run_with_limit(["sleep", "60"], limit_s=1)
+    assert time.monotonic() - started < 30
 
-    with pytest.raises(RuntimeError, match="this rank's problem"):
-        nb.run_on_cpu_ranks(2, fails)
+
+def test_a_failing_command_is_reported_with_its_error(nb):
+    with pytest.raises(RuntimeError, match="status 1:\nthis rank's problem"):
+        nb.run_with_limit([sys.executable, "-c", 'import sys; sys.exit("this rank\'s problem")'])
 
 
 def script_text(nb, tmp_path):
@@ -70,17 +72,6 @@ def test_the_script_is_the_notebooks_own_cells_so_it_cannot_drift(nb, tmp_path):
         (cell,) = [c for c in notebook_cells("defs") if piece in source(c)]
         assert source(cell) in text  # the whole cell, verbatim
     compile(text, "fp8_ddp.py", "exec")  # and it is Python
-
-
-def test_the_script_runs_under_torchrun_on_two_cpu_ranks(nb, cfg, tmp_path):
-    path = nb.write_data_parallel_script(str(tmp_path / "fp8_ddp.py"))
-    command = nb.data_parallel_command(cfg, path, ranks=2, steps=2)
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "2 rank(s) on cpu, FP8 through the FP8 reference" in run.stdout
-    for rank in (0, 1):
-        assert f"rank {rank}: loss" in run.stdout
-    assert run.stdout.count("FP8 scales and histories True, weights True") == 2
 
 
 GLOO_THREADS_AFTER_DESTROY = """

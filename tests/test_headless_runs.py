@@ -78,20 +78,19 @@ def test_headless_run_records_every_experiment(headless):
     ran = {"fp8_vs_high_precision", "e4m3_vs_hybrid", "amax_history", "two_ranks"}
     ran |= {"recipes_on_real_tensors", "fp8_estimate"}
     needs_gpu = {"te_vs_standin", "te_vs_reference", "building_blocks", "fp8_weights"}
-    needs_gpu |= {"te_quantizers_vs_references", "benchmark"}
-    assert set(experiments) == ran | needs_gpu | {"data_parallel_script"}
+    needs_gpu |= {"te_quantizers_vs_references", "benchmark", "data_parallel_script"}
+    assert set(experiments) == ran | needs_gpu
     assert {name for name, e in experiments.items() if e["status"] == "ran"} == ran
     assert all(experiments[name]["status"] == "skipped" for name in needs_gpu)
     assert all(experiments[name]["reason"] for name in needs_gpu)
-    # on a CPU the script is written and its command shown; the two-rank check stands in for it
-    script = experiments["data_parallel_script"]
-    assert script["status"] == "written, not started" and "two CPU ranks" in script["reason"]
+    # on a CPU the script runs on two CPU ranks (the check), not on GPUs, and it says so
+    assert "two CPU ranks" in experiments["data_parallel_script"]["reason"]
 
 
 def test_headless_two_ranks_agree_bitwise_with_tes_reduction_and_not_without(headless):
     two = headless[0]["experiments"]["two_ranks"]
     assert two["identical_with_reduction"] and two["scales_differ_without"]
-    assert two["forward_equals_one_process"] and 1.5 < two["backward_amax_ratio"] < 2.5
+    assert two["weights_agree_without"]
 
 
 def test_headless_recipe_table_covers_every_recipe_and_role(headless):

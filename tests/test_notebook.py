@@ -165,8 +165,9 @@ def test_no_code_cell_is_longer_than_40_lines():
 
 def test_the_whole_notebook_does_not_grow():
     """Issue 21 asked for 1,250 code lines; the fixes of issue 20 and the features kept put it
-    here (the closing note of issue 21 says where the lines are). It must not grow further."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1800
+    here (the closing note of issue 21 says where the lines are). Issue 27 asks for 1,450 and cut
+    10.7 and 10.8 to 1,713; the rest of the way is in the sections that later issues rework."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1720
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
@@ -194,6 +195,14 @@ def test_going_further_reads_in_70_minutes_in_colab_none_of_it_over_12():
     assert reading_minutes(going_further()) <= 70
     for heading, cells in subsections(going_further()).items():
         assert reading_minutes(cells) <= 12, heading
+
+
+def test_issue_27s_sections_keep_their_reading_times():
+    """10.6 at most 9.5 minutes in Colab; 10.7 and 10.8 at most 12 (above); 10.8 on GitHub was 32
+    minutes, its target 16: 21 now, with the script's writer and launcher collapsed there."""
+    parts = {heading[:8]: cells for heading, cells in subsections(going_further()).items()}
+    assert reading_minutes(parts["### 10.6"]) <= 9.5
+    assert reading_minutes(parts["### 10.8"], "github") <= 21
 
 
 def test_no_sentence_sends_a_colab_reader_to_a_file_it_does_not_have():
