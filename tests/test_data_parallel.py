@@ -37,12 +37,19 @@ def test_the_first_steps_forward_state_is_one_processs_on_the_joined_batch(nb, c
     single = nb.CausalLM(cfg, CPU)
     optimizer = torch.optim.AdamW(single.parameters(), lr=cfg.learning_rate, weight_decay=0.01)
     batch = nb.training_batch(cfg, torch.Generator().manual_seed(cfg.seed))
-    nb.train_step(single, batch, optimizer, nb.ReferenceRecipe(amax_history_len=16))
+    nb.train_step(single, batch, optimizer, nb.delayed_scaling(cfg))  # as the script
     one = nb.fp8_state_rows(single)
     forward = list(zip(reduced[0]["first_step"], one, strict=True))
     assert all(r == o for r, o in forward if "grad" not in r["tensor"])
     ratios = [r["amax"] / o["amax"] for r, o in forward if "grad" in r["tensor"]]
     assert 1.5 < sorted(ratios)[len(ratios) // 2] < 2.5  # each rank's loss: a mean over half
+
+
+def test_the_script_names_a_flag_it_does_not_know_before_it_trains(nb, cfg, tmp_path):
+    with pytest.raises(RuntimeError, match=r"unknown \['--no-amax-reductions'\]"):
+        nb.run_data_parallel(
+            cfg, 1, 1, "--cpu", "--no-amax-reductions", path=str(tmp_path / "s.py")
+        )
 
 
 def test_a_command_past_its_time_limit_is_stopped_and_said_so(nb):
