@@ -50,3 +50,12 @@ def load_notebook_definitions():
         linecache.cache[name] = (len(text), None, text.splitlines(True), name)  # as IPython does
         exec(compile(text, name, "exec"), module.__dict__)  # noqa: S102
     return module
+
+
+def write_cell_file(name, folder):
+    """The file a `%%writefile name` cell writes, written into folder as the cell does: its path."""
+    magic = f"%%writefile {name}\n"
+    (text,) = [source(c) for c in notebook_cells() if source(c).startswith(magic)]
+    path = Path(folder) / name
+    path.write_text(text.split("\n", 1)[1].rstrip("\n") + "\n")  # IPython ends a cell with one
+    return str(path)

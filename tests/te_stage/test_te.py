@@ -11,7 +11,7 @@ import transformer_engine.common.recipe as te_recipes
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
 from conftest import cuda_device
-from notebook_source import notebook_cells
+from notebook_source import notebook_cells, write_cell_file
 from transformer_engine.pytorch import quantization
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
 from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
@@ -20,14 +20,17 @@ CPU = torch.device("cpu")
 
 
 def te_calls():
-    """Every call the notebook makes on TE: te.X(...), DelayedScaling(...), te_recipes.X(...)."""
+    """Every call the notebook makes on TE: te.X(...), DelayedScaling(...), te_recipes.X(...),
+    and fp8_ddp.py's (its cell is that file; it calls the notebook's cells as nb.X)."""
     for cell in notebook_cells():
         if cell["cell_type"] != "code":
             continue
-        for node in ast.walk(ast.parse("".join(cell["source"]))):
+        text = "".join(cell["source"])
+        code = text.split("\n", 1)[1] if text.startswith("%%writefile ") else text
+        for node in ast.walk(ast.parse(code)):
             if not isinstance(node, ast.Call):
                 continue
-            name = ast.unparse(node.func)
+            name = ast.unparse(node.func).removeprefix("nb.")
             if name.startswith(("te.", "te_recipes.")) or name in ("DelayedScaling", "Format"):
                 yield name, node
 
@@ -408,10 +411,10 @@ def test_the_data_parallel_recipe_is_tes_own_dataclass_with_reduce_amax(nb):
 
 
 def test_the_data_parallel_script_runs_under_torchrun_beside_te(nb, cfg, tmp_path):
-    """Here TE imports (after the script loads pip's cuDNN itself) but no GPU exists: the script
-    trains the stand-in on two gloo ranks."""
+    """Here TE imports (after fp8_lesson.py loads pip's cuDNN itself) but no GPU exists: the
+    script trains the stand-in on two gloo ranks."""
     small = dataclasses.replace(cfg, d_model=64, ffn_hidden=128, batch_size=16)
-    ranks = nb.run_data_parallel(small, 2, 2, path=str(tmp_path / "fp8_ddp.py"))
+    ranks = nb.run_data_parallel(small, 2, 2, script=write_cell_file("fp8_ddp.py", tmp_path))
     assert [rank["same"] for rank in ranks] == [[[True, True]] * 2] * 2
 
 
