@@ -394,25 +394,19 @@ def test_fused_adam_has_the_master_weight_calls_the_notebook_makes():
     )
 
 
-def test_the_data_parallel_recipe_is_tes_own_dataclass_with_reduce_amax(nb):
-    """Section 10.8 turns the reduction off with dataclasses.replace(recipe, reduce_amax=False),
-    and the script builds DelayedScaling from the notebook's fields."""
-    fields = {
-        "fp8_format": "HYBRID",
-        "amax_history_len": 16,
-        "amax_compute_algo": "max",
-        "margin": 0,
-    }
-    recipe = te_recipes.DelayedScaling(**fields | {"fp8_format": te_recipes.Format.HYBRID})
-    assert (
-        dataclasses.replace(recipe, reduce_amax=False).reduce_amax is False and recipe.reduce_amax
-    )
+def test_the_data_parallel_recipe_is_tes_own_dataclass_with_reduce_amax(nb, cfg):
+    """Section 10.8 turns the reduction off with delayed_scaling(cfg, reduce_amax=False), which
+    builds TE's own DelayedScaling from the notebook's fields."""
+    on, off = nb.delayed_scaling(cfg), nb.delayed_scaling(cfg, reduce_amax=False)
+    assert type(off) is te_recipes.DelayedScaling and on.reduce_amax and not off.reduce_amax
+    assert off.amax_history_len == cfg.amax_history_len
     assert "amax_reduction_group" in inspect.signature(te.autocast).parameters
 
 
 def test_the_data_parallel_script_runs_under_torchrun_beside_te(nb, cfg, tmp_path):
-    """Here TE imports (after fp8_lesson.py loads pip's cuDNN itself) but no GPU exists: the
-    script trains the stand-in on two gloo ranks."""
+    """The script and fp8_lesson.py in TE's environment (torch's CUDA build, TE installed), on a
+    machine with no GPU: import_te stops before importing TE, so the ranks train the stand-in on
+    gloo. TE's own reduction on several GPUs is not run here (nor anywhere yet)."""
     small = dataclasses.replace(cfg, d_model=64, ffn_hidden=128, batch_size=16)
     ranks = nb.run_data_parallel(small, 2, 2, script=write_cell_file("fp8_ddp.py", tmp_path))
     assert [rank["same"] for rank in ranks] == [[[True, True]] * 2] * 2
