@@ -93,15 +93,6 @@ def test_tes_weights_load_strictly_into_the_stand_in_and_back(nb, cfg):
             assert torch.equal(value, model.state_dict()[key]), key
 
 
-def test_the_composed_block_takes_a_transformer_layers_weights(nb, cfg):
-    with cuda_device():
-        layer = nb.CausalLM(dataclasses.replace(cfg, n_layers=1), CPU).layers[0]
-        block = nb.ComposedTEBlock(cfg, CPU)
-    nb.load_weights(block, layer.state_dict())
-    names = {k for k in block.state_dict() if not k.endswith("_extra_state")}
-    assert names == {k for k in layer.state_dict() if not k.endswith("_extra_state")}
-
-
 def one_step_that_passes(recipe):
     return None
 
