@@ -59,3 +59,18 @@ def write_cell_file(name, folder):
     path = Path(folder) / name
     path.write_text(text.split("\n", 1)[1].rstrip("\n") + "\n")  # IPython ends a cell with one
     return str(path)
+
+
+def markdown_cell(start):
+    """The Markdown cell whose text starts with `start` (a section's title)."""
+    cells = notebook_cells()
+    (text,) = [
+        source(c) for c in cells if c["cell_type"] == "markdown" and source(c).startswith(start)
+    ]
+    return text
+
+
+def markdown_table(header, text):
+    """The rows, as tuples of their cells, of the Markdown table in `text` under `header`."""
+    lines = text[text.index(header) :].split("\n\n")[0].splitlines()[2:]  # past the --- line
+    return [tuple(cell.strip() for cell in line.strip("|").split("|")) for line in lines]

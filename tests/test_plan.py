@@ -1,12 +1,21 @@
 """The precision plan: a pure function of the hardware facts, for every runtime users have."""
 
 import dataclasses
-import re
 
 import pytest
-from notebook_source import REPO
+from example_runtimes import (
+    RECIPES_HEADER,
+    RUNTIMES_HEADER,
+    TE_SAYS_BELOW_89,
+    example_runtimes,
+    plan_rows,
+)
+from notebook_source import README, markdown_cell, markdown_table
 
-TE_SAYS_TOO_OLD = "Device compute capability 8.9 or higher required for FP8 execution."
+
+@pytest.fixture(scope="module")
+def runtimes(nb):
+    return example_runtimes(nb)
 
 
 @pytest.mark.parametrize(
@@ -20,45 +29,40 @@ TE_SAYS_TOO_OLD = "Device compute capability 8.9 or higher required for FP8 exec
         ("G4 (RTX PRO 6000)", "fp8", "te"),
     ],
 )
-def test_auto_plan_for_each_runtime(nb, runtime, precision, backend):
-    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES[runtime])
+def test_auto_plan_for_each_runtime(nb, runtimes, runtime, precision, backend):
+    plan = nb.choose_plan(runtimes[runtime])
     assert (plan.precision, plan.backend) == (precision, backend)
 
 
-def test_the_readme_table_is_the_computed_one(nb):
-    readme = (REPO / "README.md").read_text()
-    rows = re.findall(r"^\| (.+?) \| (.+?) \| (\w+) \| (TE|PyTorch) \|", readme, re.MULTILINE)
-    computed = [
-        (runtime, cc, precision, modules)
-        for runtime, cc, precision, modules, _ in nb.runtime_table()
-    ]
-    assert rows == computed
+def test_the_runtime_tables_of_10_1_and_the_readme_are_choose_plan_on_each_runtime(nb):
+    notebook = markdown_table(RUNTIMES_HEADER, markdown_cell("### 10.1"))
+    assert notebook == markdown_table(RUNTIMES_HEADER, README.read_text())
+    assert [row[:4] for row in notebook] == list(plan_rows(nb))
+    assert TE_SAYS_BELOW_89 in {row[0]: row[4] for row in notebook}["A100"]
 
 
-def test_the_readme_recipe_table_is_the_computed_one(nb):
-    readme = (REPO / "README.md").read_text()
-    header = "| TE's other recipe | " + " | ".join(nb.RECIPES_BY_CUDA) + " |"
-    table = readme[readme.index(header) :].split("\n\n")[0].splitlines()[2:]
-    assert [tuple(c.strip() for c in row.strip("|").split("|")) for row in table] == list(
-        nb.recipe_table()
-    )
+def test_the_recipe_tables_of_10_1_and_the_readme_agree_and_name_every_recipe(nb):
+    notebook = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1"))
+    assert notebook == markdown_table(RECIPES_HEADER, README.read_text())
+    assert [row[0] for row in notebook] == list(nb.RECIPE_CHECKS)
+    assert {cell for row in notebook for cell in row[1:]} <= {"yes", "no", "with CUDA 13.0 only"}
 
 
-def test_a100_steps_down_in_tes_own_words(nb):
-    assert nb.EXAMPLE_RUNTIMES["A100"].fp8_error == TE_SAYS_TOO_OLD
-    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["A100"])
-    assert plan.fallbacks == {"FP8": f"Transformer Engine says: {TE_SAYS_TOO_OLD}"}
+def test_a100_steps_down_in_tes_own_words(nb, runtimes):
+    assert runtimes["A100"].fp8_error == TE_SAYS_BELOW_89
+    plan = nb.choose_plan(runtimes["A100"])
+    assert plan.fallbacks == {"FP8": f"Transformer Engine says: {TE_SAYS_BELOW_89}"}
 
 
-def test_cpu_plan_explains_every_step_down(nb):
-    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["CPU"])
+def test_cpu_plan_explains_every_step_down(nb, runtimes):
+    plan = nb.choose_plan(runtimes["CPU"])
     assert list(plan.fallbacks) == ["FP8", "BF16", "FP16"]
     assert plan.fallbacks["BF16"] == "on a CPU, BF16 is often slower than FP32"
     assert plan.reason == "FP32 throughout, on PyTorch modules" and plan.recipe is None
 
 
-def test_t4_steps_down_for_missing_te_and_missing_bf16(nb):
-    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["T4"])
+def test_t4_steps_down_for_missing_te_and_missing_bf16(nb, runtimes):
+    plan = nb.choose_plan(runtimes["T4"])
     assert "Transformer Engine is not usable" in plan.fallbacks["FP8"]
     assert "7.5 has no BF16" in plan.fallbacks["BF16"]
     assert (
@@ -73,17 +77,17 @@ def test_an_fp8_gpu_without_te_falls_back_to_pytorch_bf16(nb):
     assert "not usable" in plan.fallbacks["FP8"]
 
 
-def test_forcing_a_precision_the_runtime_lacks_says_what_it_has(nb):
+def test_forcing_a_precision_the_runtime_lacks_says_what_it_has(nb, runtimes):
     with pytest.raises(ValueError, match=r"PRECISION='fp8'.*This runtime can run: bf16, fp32"):
-        nb.choose_plan(nb.EXAMPLE_RUNTIMES["CPU"], "fp8")
+        nb.choose_plan(runtimes["CPU"], "fp8")
     with pytest.raises(ValueError, match=r"PRECISION='bf16'.*7\.5 has no BF16.*fp16, fp32"):
-        nb.choose_plan(nb.EXAMPLE_RUNTIMES["T4"], "bf16")
+        nb.choose_plan(runtimes["T4"], "bf16")
     with pytest.raises(ValueError, match=r"PRECISION='fp8'.*8\.9 or higher"):
-        nb.choose_plan(nb.EXAMPLE_RUNTIMES["A100"], "fp8")
+        nb.choose_plan(runtimes["A100"], "fp8")
 
 
-def test_a_forced_possible_precision_has_no_step_downs(nb):
-    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["H100 / H200"], "fp32")
+def test_a_forced_possible_precision_has_no_step_downs(nb, runtimes):
+    plan = nb.choose_plan(runtimes["H100 / H200"], "fp32")
     assert (plan.precision, plan.backend, plan.fallbacks) == ("fp32", "te", {})
     assert plan.reason == "FP32 throughout, as requested, on Transformer Engine modules"
 
@@ -93,8 +97,8 @@ def test_the_cpu_is_described_by_its_machine_and_cores(nb):
     assert hw.name.startswith("CPU (") and "cores" in hw.name and hw.capability is None
 
 
-def test_an_fp8_gpu_trains_with_this_notebooks_recipe_and_says_so(nb):
-    plan = nb.choose_plan(nb.EXAMPLE_RUNTIMES["H100 / H200"])
+def test_an_fp8_gpu_trains_with_this_notebooks_recipe_and_says_so(nb, runtimes):
+    plan = nb.choose_plan(runtimes["H100 / H200"])
     assert (plan.recipe, plan.fallbacks) == ("DelayedScaling", {})
     assert plan.reason.startswith("FP8 GEMMs with DelayedScaling, BF16 elsewhere, FP32 master")
 
