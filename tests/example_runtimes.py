@@ -20,8 +20,9 @@ def example_runtimes(nb):
 
 
 def plan_rows(nb):
-    """(runtime, compute capability, precision, modules) of choose_plan on each runtime."""
+    """(runtime, compute capability, precision, modules, why not FP8) of choose_plan on each."""
     for runtime, hw in example_runtimes(nb).items():
         plan = nb.choose_plan(hw)
         cc = "{}.{}".format(*hw.capability) if hw.capability else "—"
-        yield runtime, cc, plan.precision.upper(), "TE" if plan.backend == "te" else "PyTorch"
+        modules = "TE" if plan.backend == "te" else "PyTorch"
+        yield runtime, cc, plan.precision.upper(), modules, plan.fallbacks.get("FP8", "—")

@@ -125,7 +125,7 @@ CAPABILITIES = {"L4": (8, 9), "H100 / H200": (9, 0), "G4 (RTX PRO 6000)": (12, 0
         ((12, 0), "G4 (RTX PRO 6000)", "fp8"),
     ],
 )
-def test_the_plan_from_tes_own_checks_is_the_notebooks_table(
+def test_tes_own_checks_give_the_facts_behind_10_1s_runtime_table(
     nb, capability, runtime, precision, cuda
 ):
     hw = detect(nb, capability, cuda)
@@ -142,7 +142,8 @@ def test_the_recipe_table_is_what_tes_checks_say_with_each_cuda(nb, runtime, cud
     """Float8BlockScaling needs a torch built with CUDA 12.9+: not Colab's 12.8 torch."""
     recipes = other_recipes(nb, CAPABILITIES[runtime], cuda)
     runs = tuple(name for name, why_not in recipes.items() if why_not is None)
-    table = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1"))  # its runtimes' order
+    assert RECIPES_HEADER.strip("| ").split(" | ")[1:] == list(CAPABILITIES)  # their order
+    table = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1"))
     on = {row[0]: dict(zip(CAPABILITIES, row[1:], strict=True))[runtime] for row in table}
     assert runs == tuple(name for name in on if on[name] in ("yes", f"with CUDA {cuda} only"))
     assert all(recipes[name] for name in set(recipes) - set(runs))  # TE's words for each other
