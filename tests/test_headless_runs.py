@@ -77,7 +77,7 @@ def test_headless_run_records_every_experiment(headless):
     experiments = headless[0]["experiments"]
     ran = {"fp8_vs_high_precision", "e4m3_vs_hybrid", "amax_history", "two_ranks"}
     ran |= {"recipes_on_real_tensors", "fp8_estimate"}
-    needs_gpu = {"te_vs_standin", "te_vs_reference", "fp8_weights"}
+    needs_gpu = {"te_vs_standin", "fp8_weights"}
     needs_gpu |= {"te_quantizers_vs_references", "benchmark", "data_parallel_script"}
     assert set(experiments) == ran | needs_gpu
     assert {name for name, e in experiments.items() if e["status"] == "ran"} == ran
@@ -138,7 +138,7 @@ def test_every_precision_a_cpu_supports_runs_to_the_end_when_forced(tmp_path, pr
     summary, _ = run_notebook(tmp_path, PRECISION=precision, **TINY)
     assert summary["plan"]["precision"] == precision and summary["plan"]["fallbacks"] == {}
     assert "requested" in summary["plan"]["reason"]
-    assert summary["experiments"]["te_vs_reference"]["status"] == "skipped"
+    assert summary["experiments"]["fp8_weights"]["status"] == "skipped"
 
 
 def test_forcing_a_precision_the_cpu_lacks_stops_at_the_plan_with_what_it_can_run(tmp_path):
