@@ -48,7 +48,11 @@ def test_the_recipe_tables_of_10_1_and_the_readme_agree_and_name_every_recipe(nb
     notebook = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1"))
     assert notebook == markdown_table(RECIPES_HEADER, README.read_text())
     assert [row[0] for row in notebook] == list(nb.RECIPE_CHECKS)
-    assert {cell for row in notebook for cell in row[1:]} <= {"yes", "no", "with CUDA 13.0 only"}
+    checks = {cell.split(",")[0] for row in notebook for cell in row[1:]}  # what TE's check says
+    assert checks <= {"yes", "no", "with CUDA 13.0 only"}
+    on_g4 = {row[0]: row[-1] for row in notebook}  # what only a run on a G4 can decide
+    for name in ("Float8BlockScaling", "NVFP4BlockScaling"):
+        assert on_g4[name].endswith(": undecided until it runs on a G4"), on_g4[name]
 
 
 def test_a100_steps_down_in_tes_own_words(nb, runtimes):

@@ -94,20 +94,21 @@ def test_tes_weights_load_strictly_into_the_stand_in_and_back(nb, cfg):
             assert torch.equal(value, model.state_dict()[key]), key
 
 
-def one_step_that_passes(recipe):
+def injected_step_passes(recipe):
     return None
 
 
-def detect(nb, capability, cuda=None, one_step=one_step_that_passes):
+def detect(nb, capability, cuda=None, one_step=injected_step_passes):
     """detect_hardware on a pretended GPU, with the notebook's own import verdict for it. Its one
-    real FP8 step needs a GPU: its outcome is given here, TE's checks decide the rest."""
+    real FP8 step needs a GPU: its outcome is injected here (what TE would do is not tested),
+    TE's checks decide the rest."""
     with cuda_device(capability, cuda), mock.patch.object(nb, "TE_ERROR", nb.import_te()[3]):
         return nb.detect_hardware(one_step)
 
 
 def other_recipes(nb, capability, cuda=None):
-    """section 10.7's (name, why not) for each recipe: TE's checks, each real step passing."""
-    with cuda_device(capability, cuda), mock.patch.object(nb, "one_fp8_step", one_step_that_passes):
+    """section 10.7's (name, why not) for each recipe: TE's checks, each step's success injected."""
+    with cuda_device(capability, cuda), mock.patch.object(nb, "one_fp8_step", injected_step_passes):
         return {name: why_not for name, _, why_not in nb.other_recipes_here.__wrapped__()}
 
 
@@ -145,7 +146,8 @@ def test_the_recipe_table_is_what_tes_checks_say_with_each_cuda(nb, runtime, cud
     columns = RECIPES_HEADER.strip("| ").split(" | ")[1:]  # the runtimes, as the table names them
     table = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1"))
     on = {row[0]: dict(zip(columns, row[1:], strict=True))[runtime] for row in table}
-    assert runs == tuple(name for name in on if on[name] in ("yes", f"with CUDA {cuda} only"))
+    check = {name: cell.split(",")[0] for name, cell in on.items()}  # after it: what runs decide
+    assert runs == tuple(name for name in on if check[name] in ("yes", f"with CUDA {cuda} only"))
     assert all(recipes[name] for name in set(recipes) - set(runs))  # TE's words for each other
 
 
@@ -154,14 +156,36 @@ def test_mxfp8_is_refused_on_12_0_in_tes_words(nb):
     assert "not supported on 12.0+" in other_recipes(nb, (12, 0), "13.0")["MXFP8BlockScaling"]
 
 
-def delayed_scaling_raises(recipe):
+@pytest.mark.parametrize("retry_raises", [False, True])
+def test_with_nvfp4s_default_failure_injected_it_is_tried_without_rht_and_stochastic_rounding(
+    nb, capsys, retry_raises
+):
+    """10.7's retry, its logic only: each step's outcome is injected, so what TE does on a G4 is
+    not tested here; TE's own NVFP4BlockScaling takes the two switches the retry sets."""
+
+    def injected_step(recipe):
+        if not isinstance(recipe, te_recipes.NVFP4BlockScaling):
+            return None
+        plain = recipe.disable_rht and recipe.disable_stochastic_rounding
+        return "RuntimeError: retry" if plain and retry_raises else None if plain else "E: default"
+
+    with cuda_device((12, 0), "13.0"), mock.patch.object(nb, "one_fp8_step", injected_step):
+        runs = {name: (r, why_not) for name, r, why_not in nb.other_recipes_here.__wrapped__()}
+    recipe, why_not = runs["NVFP4BlockScaling"]
+    assert recipe.disable_rht and recipe.disable_stochastic_rounding
+    assert why_not == ("RuntimeError: retry" if retry_raises else None)
+    said = "NVFP4BlockScaling raised E: default; tried again without RHT and stochastic rounding"
+    assert said in capsys.readouterr().out
+
+
+def injected_delayed_scaling_failure(recipe):
     if isinstance(recipe, te_recipes.DelayedScaling):
         return "RuntimeError: cuBLAS error in the FP8 backward GEMM"
     return None
 
 
-def test_where_one_delayed_scaling_step_raises_on_12_0_the_plan_takes_tes_default_recipe(nb):
-    hw = detect(nb, (12, 0), one_step=delayed_scaling_raises)
+def test_with_a_delayed_scaling_failure_injected_on_12_0_the_plan_takes_tes_default_recipe(nb):
+    hw = detect(nb, (12, 0), one_step=injected_delayed_scaling_failure)
     plan = nb.choose_plan(hw)
     assert (plan.precision, plan.recipe) == ("fp8", "Float8CurrentScaling")
     assert isinstance(hw.fp8_fallback, te_recipes.Float8CurrentScaling)
@@ -169,13 +193,15 @@ def test_where_one_delayed_scaling_step_raises_on_12_0_the_plan_takes_tes_defaul
     assert "Float8CurrentScaling" in plan.reason
 
 
-def test_where_one_fp8_step_raises_and_tes_default_is_delayed_scaling_the_plan_is_bf16(nb):
-    plan = nb.choose_plan(detect(nb, (9, 0), one_step=delayed_scaling_raises))
+def test_with_an_fp8_step_failure_injected_where_tes_default_is_delayed_scaling_the_plan_is_bf16(
+    nb,
+):
+    plan = nb.choose_plan(detect(nb, (9, 0), one_step=injected_delayed_scaling_failure))
     assert plan.precision == "bf16" and plan.recipe is None
     assert "cuBLAS error in the FP8 backward GEMM" in plan.fallbacks["FP8"]
 
 
-def test_where_tes_default_raises_too_the_plan_is_bf16_with_both_errors(nb):
+def test_with_failures_injected_for_tes_default_too_the_plan_is_bf16_with_both_errors(nb):
     plan = nb.choose_plan(detect(nb, (12, 0), one_step=lambda recipe: "RuntimeError: no kernel"))
     assert plan.precision == "bf16"
     assert (
