@@ -156,6 +156,17 @@ def test_mxfp8_is_refused_on_12_0_in_tes_words(nb):
     assert "not supported on 12.0+" in other_recipes(nb, (12, 0), "13.0")["MXFP8BlockScaling"]
 
 
+@pytest.mark.parametrize("capability", [(9, 0), (12, 0)])
+def test_with_colabs_cuda_12_8_torch_te_autocast_refuses_block_scaling_on_entry(capability):
+    """What 10.1 and 10.7 say: TE's check fails with a CUDA 12.8 torch, and te.autocast raises
+    its words on entry; with a CUDA 13.0 torch, it enters."""
+    with cuda_device(capability, "12.8"), pytest.raises(RuntimeError, match="CUDA >= 12.9"):
+        with te.autocast(recipe=te_recipes.Float8BlockScaling()):
+            pass
+    with cuda_device(capability, "13.0"), te.autocast(recipe=te_recipes.Float8BlockScaling()):
+        pass
+
+
 @pytest.mark.parametrize("retry_raises", [False, True])
 def test_with_nvfp4s_default_failure_injected_it_is_tried_without_rht_and_stochastic_rounding(
     nb, capsys, retry_raises
