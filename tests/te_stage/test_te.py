@@ -172,9 +172,12 @@ def test_with_nvfp4s_default_failure_injected_it_is_tried_without_rht_and_stocha
     nb, capsys, retry_raises
 ):
     """10.7's retry, its logic only: each step's outcome is injected, so what TE does on a G4 is
-    not tested here; TE's own NVFP4BlockScaling takes the two switches the retry sets."""
+    not tested here; TE's own NVFP4BlockScaling takes the two switches the retry sets. Only NVFP4
+    is retried: a Float8BlockScaling step that raises keeps its recipe and its error."""
 
     def injected_step(recipe):
+        if isinstance(recipe, te_recipes.Float8BlockScaling):
+            return "E: block"
         if not isinstance(recipe, te_recipes.NVFP4BlockScaling):
             return None
         plain = recipe.disable_rht and recipe.disable_stochastic_rounding
@@ -182,11 +185,13 @@ def test_with_nvfp4s_default_failure_injected_it_is_tried_without_rht_and_stocha
 
     with cuda_device((12, 0), "13.0"), mock.patch.object(nb, "one_fp8_step", injected_step):
         runs = {name: (r, why_not) for name, r, why_not in nb.other_recipes_here.__wrapped__()}
-    recipe, why_not = runs["NVFP4BlockScaling"]
+    recipe, why_not = runs["NVFP4BlockScaling without RHT and SR"]  # the name 10.9 labels it by
     assert recipe.disable_rht and recipe.disable_stochastic_rounding
     assert why_not == ("RuntimeError: retry" if retry_raises else None)
     said = "NVFP4BlockScaling raised E: default; tried again without RHT and stochastic rounding"
     assert said in capsys.readouterr().out
+    block, why_not = runs["Float8BlockScaling"]
+    assert type(block) is te_recipes.Float8BlockScaling and why_not == "E: block"
 
 
 def injected_delayed_scaling_failure(recipe):
