@@ -7,6 +7,11 @@ RUNTIMES_HEADER = "| runtime | compute capability | precision | modules | why no
 RECIPES_HEADER = "| TE's other recipe | L4 | H100 / H200 | G4 (RTX PRO 6000) |"
 
 
+def tes_check(cell):
+    """What TE's check says in a recipe-table cell; after a comma: what only a run decides."""
+    return cell.split(",")[0]
+
+
 def example_runtimes(nb):
     hw = nb.Hardware
     return {
