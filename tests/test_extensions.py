@@ -85,6 +85,14 @@ def test_one_slow_round_that_would_flip_a_ratio_of_means_is_no_measurable_differ
     assert line.endswith("no measurable difference (the spread between rounds is larger).")
 
 
+def test_the_ratio_is_of_the_medians_not_of_the_means(nb):
+    """One slow FP8 round inside a clear gain: medians give 2.00x, means would give 1.53x."""
+    (line,) = nb.benchmark_findings(
+        timings(**{"BF16 (TE)": [40.0, 40.0, 40.5], "FP8 DelayedScaling (TE)": [20.0, 20.0, 39.0]})
+    )
+    assert line.endswith("2.00x its speed, faster.")
+
+
 def test_fp8_is_compared_with_fp8_and_nvfp4_on_its_own(nb):
     """The fastest FP8 recipe against BF16, and NVFP4 (4-bit, not FP8) in a line of its own."""
     lines = nb.benchmark_findings(
@@ -126,6 +134,12 @@ def test_the_estimate_of_one_compute_bound_gemm_is_its_flops_at_the_peak(nb, cfg
     gemm_bytes = (2 * M * K + 2 * K * N + 2 * M * N) + (2 * M * N + 2 * K * N + 2 * M * K)
     gemm_bytes += 2 * M * K + 2 * M * N + 4 * K * N
     assert found["bf16_mb"] == pytest.approx((gemm_bytes + 6 * 8192 * 8192) / 1e6)
+    # in FP8: 1-byte operands, the same outputs; the weight's cast, and the input's and the
+    # gradient's (BF16 read, FP8 and its transpose written: 4 bytes an element)
+    fp8_bytes = (
+        (M * K + K * N + 2 * M * N) + (M * N + K * N + 2 * M * K) + (M * K + M * N + 4 * K * N)
+    )
+    assert found["fp8_mb"] == pytest.approx((fp8_bytes + 6 * K * N + 4 * (M * K + M * N)) / 1e6)
     assert found["fp8_ms"] > flops / (fp8_tflops * 1e12) * 1000  # the FP8 GEMMs plus their casts
 
 
@@ -142,12 +156,30 @@ def test_the_benchmark_sets_the_estimate_for_this_gpu_beside_its_timings_injecte
     assert "estimate for the H100" in out and "(linear layers only)" in out
 
 
+def test_the_benchmark_times_section_4s_recipe_under_its_name_injected(nb, cfg):
+    """The FP8 row is timed with the recipe training ran (run_recipe), not another."""
+    timed_with = {}
+
+    def median_step_ms(size_cfg, run_recipe, device):
+        timed_with.setdefault(size_cfg.d_model, []).append(run_recipe)
+        return 10.0
+
+    namespace = benchmark_namespace(nb, cfg, median_step_ms)
+    namespace["run_recipe"] = section_4s = object()
+    found = namespace["benchmark"](rounds=1)
+    assert timed_with[cfg.d_model] == [None, section_4s]  # BF16, then FP8 DelayedScaling
+    assert [row["precision"] for row in found["rows"][:2]] == [
+        "BF16 (TE)",
+        "FP8 DelayedScaling (TE)",
+    ]
+
+
 def test_a_gpu_without_datasheet_figures_here_gets_no_estimate_injected(nb, cfg, capsys):
     namespace = benchmark_namespace(nb, cfg, lambda size_cfg, run_recipe, device: 10.0)
     namespace["hw"] = nb.Hardware("NVIDIA L40S", (8, 9), None)  # not Colab's L4
     assert namespace["benchmark"](rounds=1)["estimate"] == []
-    assert "NVIDIA L40S: beside the timings, the estimate by the datasheet of none" in (
-        capsys.readouterr().out
+    assert (
+        "NVIDIA L40S: beside the timings, the estimate for no GPU here" in capsys.readouterr().out
     )
 
 
