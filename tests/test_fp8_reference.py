@@ -229,6 +229,39 @@ def test_check_scale_update_recomputes_the_rule_itself_so_a_wrong_rule_fails_it(
     assert rolled and worst == pytest.approx(0.5)  # every scale half what the rule gives
 
 
+def test_check_scale_update_fails_a_reference_whose_max_reads_only_row_0(nb, cfg, monkeypatch):
+    """A wrong rule that is right on most steps: "max" computed from this step's amax alone
+    (row 0, "most_recent"). The check, recomputing the window itself, catches it once an older
+    amax in the window is larger than this step's."""
+    model, recipe = tiny_model(nb, cfg), nb.ReferenceRecipe(amax_history_len=16)
+    for _ in range(3):
+        fp8_step(nb, cfg, model)
+    for _, s, slot, _ in nb.fp8_tensors(model):  # one large old amax in every window
+        s.amax_history[-2, slot] = 1e3 * s.amax_history[:, slot].max()
+    rule = nb.update_scales
+
+    def row_0_only(history, scale, fp8_max, margin=0, algo="max"):
+        rule(history, scale, fp8_max, margin, "most_recent")
+
+    assert nb.check_scale_update(model, recipe, lambda: fp8_step(nb, cfg, model)) == (0.0, True)
+    monkeypatch.setattr(nb, "update_scales", row_0_only)
+    worst, rolled = nb.check_scale_update(model, recipe, lambda: fp8_step(nb, cfg, model))
+    assert rolled and worst > 100  # its scales ~1,000 times what the window gives
+
+
+def test_the_state_sentence_gives_each_roles_range_of_scales_from_the_rows(nb, capsys):
+    rows = [
+        {"tensor": f"l{i}.gemm/{role}", "amax": 1.0, "window_max": 1.0, "scale": scale}
+        for i, (role, scale) in enumerate(
+            (("input", 90.0), ("input", 300.0), ("weight", 2e3), ("grad_output", 1e8))
+        )
+    ]
+    nb.print_fp8_state(rows)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("Scales: inputs 90 to 300, weights 2e+03 to 2e+03, grad_outputs 1e+08")
+    assert last.endswith("The largest is 1.1e+06 times the smallest.")
+
+
 def test_the_state_table_reads_newest_amax_window_max_and_scale(nb, cfg):
     model = tiny_model(nb, cfg)
     for _ in range(2):

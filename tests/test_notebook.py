@@ -259,6 +259,19 @@ def test_at_most_six_figures_before_going_further():
     assert 1 <= shows <= 6
 
 
+def test_the_scale_is_drawn_where_it_is_taught_sections_2_and_8_each_show_a_figure():
+    """Section 2 draws one tensor against E4M3's range, as it is and scaled; section 8 draws the
+    scales of the run, per role, orders of magnitude apart (issue 30): in the saved run too."""
+    cells = saved()["cells"]
+    for heading in ("## 2. ", "## 8. "):
+        start = next(i for i, c in enumerate(cells) if source(c).startswith(heading))
+        end = next(
+            i for i, c in enumerate(cells[start + 1 :], start + 1) if source(c).startswith("## ")
+        )
+        outputs = [o for c in code_cells(cells[start:end]) for o in c["outputs"]]
+        assert any("image/png" in o.get("data", {}) for o in outputs), heading
+
+
 def test_figure_titles_are_computed_from_the_run_or_say_what_is_plotted():
     """A title that states a conclusion must be computed from the data; a fixed one names what
     the figure shows. Every figure title is an f-string, so it can carry this run's numbers."""

@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import functools
 import inspect
 from unittest import mock
 
@@ -403,6 +404,41 @@ def test_the_update_rule_matches_tes_own_python_update(nb, algo, margin, forward
     assert torch.equal(our_history, te_history)
     torch.testing.assert_close(our_scale, te_scale, rtol=2.5e-7, atol=0)
     assert fp8_max == nb.FP8_MAX[nb.fp8_formats(recipe)["forward" if forward else "backward"]]
+
+
+@pytest.mark.parametrize("algo, margin", [("max", 0), ("most_recent", 1)])
+def test_section_8_2s_check_passes_tes_own_update_and_fails_it_applied_twice(nb, algo, margin):
+    """8.2's check recomputes the rule without the notebook's update_scales. Here it watches
+    TE's own state objects updated by TE's own (Python) update, as it does TE on a GPU: every
+    amax cast, it must pass; an update run twice per step (the history rolled twice) fails it."""
+    recipe = te_recipes.DelayedScaling(amax_history_len=8, amax_compute_algo=algo, margin=margin)
+    layer, directions = (
+        torch.nn.Module(),
+        (("scaling_fwd", "forward", 3), ("scaling_bwd", "backward", 2)),
+    )
+    layer.fp8_meta = {"num_gemms": 1} | {
+        key: quantization.DelayedScalingRecipeState(recipe, mode=mode, num_quantizers=n, device=CPU)
+        for key, mode, n in directions
+    }
+    generator = torch.Generator().manual_seed(margin)
+
+    def te_step(updates=1):  # this step's amaxes in row 0, then TE's update
+        for key, mode, n in directions:
+            state, fp8_max = (
+                layer.fp8_meta[key],
+                quantization.get_fp8_max(recipe, mode == "forward"),
+            )
+            state.amax_history[0] = torch.rand(n, generator=generator) * 100 + 0.01
+            for _ in range(updates):
+                quantization._amax_and_scale_update(
+                    state.amax_history, state.scale, fp8_max, recipe
+                )
+
+    for _ in range(3):
+        te_step()
+    worst, rolled = nb.check_scale_update(layer, recipe, te_step)
+    assert rolled and worst < 1e-6  # TE's reciprocal-multiply: within an ulp
+    assert nb.check_scale_update(layer, recipe, functools.partial(te_step, 2))[1] is False
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
