@@ -272,6 +272,17 @@ def test_the_scale_is_drawn_where_it_is_taught_sections_2_and_8_each_show_a_figu
         assert any("image/png" in o.get("data", {}) for o in outputs), heading
 
 
+def test_every_loss_printed_in_sections_7_to_9_says_which_loss_it_is():
+    """One step's loss, or a mean of the last N: a bare "loss 0.13" reads as either."""
+    cells = saved()["cells"]
+    start = next(i for i, c in enumerate(cells) if source(c).startswith("## 7. "))
+    end = next(i for i, c in enumerate(cells) if source(c).startswith("## 10. "))
+    lines = [line for text in outputs_text(cells[start:end]) for line in text.splitlines()]
+    said = ("this step's loss", "at step 1", "mean of the last")
+    losses = [line for line in lines if "loss" in line.lower()]
+    assert len(losses) >= 5 and all(any(s in line for s in said) for line in losses), losses
+
+
 def test_figure_titles_are_computed_from_the_run_or_say_what_is_plotted():
     """A title that states a conclusion must be computed from the data; a fixed one names what
     the figure shows. Every figure title is an f-string, so it can carry this run's numbers."""
