@@ -258,7 +258,9 @@ def test_the_state_sentence_gives_each_roles_range_of_scales_from_the_rows(nb, c
     ]
     nb.print_fp8_state(rows)
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("Scales: inputs 90 to 300, weights 2e+03 to 2e+03, grad_outputs 1e+08")
+    assert last.startswith(
+        "Scales: inputs 9.0e+01 to 3.0e+02, weights 2.0e+03 to 2.0e+03, grad_outputs 1.0e+08"
+    )
     assert last.endswith("The largest is 1.1e+06 times the smallest.")
 
 

@@ -163,4 +163,4 @@ def test_the_summarys_fp8_state_is_the_one_section_8_2_printed_and_checked(headl
     for row in summary["fp8_state"]["tensors"]:
         amax, window_max, scale, _ = lines[row["tensor"]]
         assert (amax, window_max) == (f"{row['amax']:.3g}", f"{row['window_max']:.3g}")
-        assert scale == f"{row['scale']:.4g}"
+        assert scale == f"{row['scale']:.3e}"

@@ -272,15 +272,21 @@ def test_the_scale_is_drawn_where_it_is_taught_sections_2_and_8_each_show_a_figu
         assert any("image/png" in o.get("data", {}) for o in outputs), heading
 
 
-def test_every_loss_printed_in_sections_7_to_9_says_which_loss_it_is():
+def test_every_loss_printed_in_sections_7_to_9_and_the_summary_says_which_loss_it_is():
     """One step's loss, or a mean of the last N: a bare "loss 0.13" reads as either."""
     cells = saved()["cells"]
-    start = next(i for i, c in enumerate(cells) if source(c).startswith("## 7. "))
-    end = next(i for i, c in enumerate(cells) if source(c).startswith("## 10. "))
-    lines = [line for text in outputs_text(cells[start:end]) for line in text.splitlines()]
+    start, further, summary = (
+        next(i for i, c in enumerate(cells) if source(c).startswith(f"## {n}. "))
+        for n in (7, 10, 11)
+    )
+    shown = outputs_text(cells[start:further] + cells[summary:])
+    lines = [line for text in shown for line in text.splitlines()]
     said = ("this step's loss", "at step 1", "mean of the last")
     losses = [line for line in lines if "loss" in line.lower()]
-    assert len(losses) >= 5 and all(any(s in line for s in said) for line in losses), losses
+    assert len(losses) >= 7 and all(any(s in line for s in said) for line in losses), losses
+    changes = [line for line in losses if "->" in line]
+    assert len(changes) >= 3, losses
+    assert all("at step 1" in line and "mean of the last" in line for line in changes), changes
 
 
 def test_figure_titles_are_computed_from_the_run_or_say_what_is_plotted():

@@ -390,9 +390,10 @@ def test_tes_state_has_the_layout_the_reference_keeps(nb):
 def test_the_update_rule_matches_tes_own_python_update(nb, algo, margin, forward):
     """TE's default update is a fused CUDA kernel; its Python fallback (_amax_and_scale_update,
     used with NVTE_UNFUSED_FP8_UPDATE=1) runs here. Where both agree (every amax > 0 and finite)
-    the notebook's rule must give the same histories and the same scales: the fallback divides
-    by reciprocal-multiply, so scales may differ by one ulp. Where they differ (an amax of 0:
-    the kernel skips the roll), the notebook follows the kernel; the CPU tests pin that down."""
+    the notebook's rule must give the same histories and the same scales: the fallback's scripted
+    division ((fp8_max / amax) / 2**margin) may round apart, so scales may differ by one ulp.
+    Where they differ (an amax of 0: the kernel skips the roll), the notebook follows the
+    kernel; the CPU tests pin that down."""
     recipe = te_recipes.DelayedScaling(amax_history_len=16, amax_compute_algo=algo, margin=margin)
     generator = torch.Generator().manual_seed(margin)
     history = torch.rand(16, 24, generator=generator) * torch.logspace(-8, 3, 24) + 1e-12
@@ -409,8 +410,8 @@ def test_the_update_rule_matches_tes_own_python_update(nb, algo, margin, forward
 @pytest.mark.parametrize("algo, margin", [("max", 0), ("most_recent", 1)])
 def test_section_8_2s_check_passes_tes_own_update_and_fails_it_applied_twice(nb, algo, margin):
     """8.2's check recomputes the rule without the notebook's update_scales. Here it watches
-    TE's own state objects updated by TE's own (Python) update, as it does TE on a GPU: every
-    amax cast, it must pass; an update run twice per step (the history rolled twice) fails it."""
+    TE's own state objects updated by TE's unfused Python update, called directly: every amax
+    cast, it must pass; an update run twice per step (the history rolled twice) fails it."""
     recipe = te_recipes.DelayedScaling(amax_history_len=8, amax_compute_algo=algo, margin=margin)
     layer, directions = (
         torch.nn.Module(),
@@ -437,7 +438,7 @@ def test_section_8_2s_check_passes_tes_own_update_and_fails_it_applied_twice(nb,
     for _ in range(3):
         te_step()
     worst, rolled = nb.check_scale_update(layer, recipe, te_step)
-    assert rolled and worst < 1e-6  # TE's reciprocal-multiply: within an ulp
+    assert rolled and worst < 1e-6  # within an ulp of TE's scripted division
     assert nb.check_scale_update(layer, recipe, functools.partial(te_step, 2))[1] is False
 
 
