@@ -99,6 +99,13 @@ def test_training_tracks_what_it_is_asked_to_after_every_step(nb, cfg):
     assert len(result.tracked) == 3
 
 
+def test_a_run_names_the_steps_its_final_loss_is_the_mean_of(nb, cfg):
+    """The mean of the last 20 steps, or of every step in a shorter run (TRAIN_STEPS=3)."""
+    result = nb.train(twin(nb, cfg), cfg, steps=3)
+    assert result.final_loss == pytest.approx(sum(result.losses) / 3)
+    assert nb.loss_change(result).endswith(", the mean of the last 3 steps")
+
+
 def test_a_non_finite_loss_stops_training_naming_the_step(nb, cfg):
     model = twin(nb, cfg)
     with torch.no_grad():

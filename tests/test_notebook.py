@@ -50,11 +50,15 @@ def collapsed(cell):
     return metadata.get("cellView") == "form" or metadata.get("jupyter", {}).get("source_hidden")
 
 
+def heading_at(cells, prefix, start=0):
+    """The index of the first cell from start on whose source starts with prefix."""
+    return next(i for i, c in enumerate(cells) if i >= start and source(c).startswith(prefix))
+
+
 def core():
     """The cells before section 10 ("Going further"): what a first reading covers."""
     cells = notebook_cells()
-    end = next(i for i, c in enumerate(cells) if source(c).startswith("## 10. Going further"))
-    return cells[:end]
+    return cells[: heading_at(cells, "## 10. Going further")]
 
 
 def visible_lines(cells):
@@ -264,10 +268,8 @@ def test_the_scale_is_drawn_where_it_is_taught_sections_2_and_8_each_show_a_figu
     scales of the run, per role, orders of magnitude apart (issue 30): in the saved run too."""
     cells = saved()["cells"]
     for heading in ("## 2. ", "## 8. "):
-        start = next(i for i, c in enumerate(cells) if source(c).startswith(heading))
-        end = next(
-            i for i, c in enumerate(cells[start + 1 :], start + 1) if source(c).startswith("## ")
-        )
+        start = heading_at(cells, heading)
+        end = heading_at(cells, "## ", start + 1)
         outputs = [o for c in code_cells(cells[start:end]) for o in c["outputs"]]
         assert any("image/png" in o.get("data", {}) for o in outputs), heading
 
@@ -275,10 +277,7 @@ def test_the_scale_is_drawn_where_it_is_taught_sections_2_and_8_each_show_a_figu
 def test_every_loss_printed_in_sections_7_to_9_and_the_summary_says_which_loss_it_is():
     """One step's loss, or a mean of the last N: a bare "loss 0.13" reads as either."""
     cells = saved()["cells"]
-    start, further, summary = (
-        next(i for i, c in enumerate(cells) if source(c).startswith(f"## {n}. "))
-        for n in (7, 10, 11)
-    )
+    start, further, summary = (heading_at(cells, f"## {n}. ") for n in (7, 10, 11))
     shown = outputs_text(cells[start:further] + cells[summary:])
     lines = [line for text in shown for line in text.splitlines()]
     said = ("this step's loss", "at step 1", "mean of the last")
