@@ -165,3 +165,24 @@ def test_using_puts_other_modules_in_tes_place_and_restores_it(nb, cfg):
     with nb.using(other):
         assert nb.te is other
     assert nb.te is nb.standin
+
+
+def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(nb, cfg):
+    """The model's and the step's cells run in a namespace holding only what a reader's notebook
+    would: torch, its functional module, nn, and `te` (here the stand-in, as on a CPU); a model
+    and an optimizer made there, and one FP8 step under the stand-in's DelayedScaling."""
+    from notebook_source import notebook_cells, source
+
+    reader = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "te": nb.standin}
+    for start in ("def padded_vocab_size(", "def train_step("):
+        (cell,) = [c for c in notebook_cells() if source(c).startswith(start)]
+        exec(source(cell), reader)  # noqa: S102 the notebook's own cells
+    torch.manual_seed(0)
+    model = reader["CausalLM"](cfg, CPU)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    tokens, _ = nb.make_stride_batch(8, cfg.seq_len + 1, cfg.vocab_size, cfg.max_stride, generator)
+    before = model.head.weight.detach().clone()
+    loss = reader["train_step"](model, tokens, optimizer, recipe=nb.ReferenceRecipe())
+    assert torch.isfinite(loss) and not torch.equal(before, model.head.weight)
+    assert model.head.weight.grad is None  # the step zeroed the gradients, set to None
