@@ -383,11 +383,9 @@ def test_the_first_screen_says_what_colab_collapses_and_where_the_lesson_starts(
     """A GitHub reader sees every cell's code: the first cell says which cells Colab collapses
     (those that open with `# @title`, all of them, and only them) and names the section where
     the lesson starts, by its heading."""
-    first = source(notebook_cells()[0])
-    assert "a cell that opens with `# @title` is collapsed in Colab" in first.replace("\n", " ")
-    ((number, title),) = re.findall(
-        r'the lesson starts at section (\d+), "([^"]+)"', " ".join(first.split())
-    )
+    first = " ".join(source(notebook_cells()[0]).split())
+    assert "skip the cells that open with `# @title`: Colab collapses them" in first
+    ((number, title),) = re.findall(r'The lesson starts at section (\d+), "([^"]+)"', first)
     headings = [source(c).splitlines()[0] for c in notebook_cells() if c["cell_type"] == "markdown"]
     assert f"## {number}. {title}" in headings
     assert all(bool(collapsed(c)) == source(c).startswith("# @title") for c in code_cells())
