@@ -176,9 +176,10 @@ def test_the_whole_notebook_does_not_grow():
     """Issue 21 asked for 1,250 code lines; the fixes of issue 20 and the features kept put it
     higher (the closing note of issue 21 says where the lines are). Issue 27 asked for 1,450 and
     cut 10.7, 10.8, 10.5 (its composed block, then its TE-against-reference check, which repeated
-    section 8.2's), 10.1's code, lines ruff had split, one-use temporaries and helpers, to 1,450:
-    the cap. Issue 28's features are in already; what it adds, it makes room for."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1450
+    section 8.2's), 10.1's code, lines ruff had split, one-use temporaries and helpers, to 1,450.
+    Issue 31 asked again for 1,250: its compact table of parameter rules gave 1,444, the cap; the
+    rest is machinery every rule, message and runtime needs (its closing note says where)."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1444
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
@@ -197,9 +198,10 @@ def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
 
 
 def test_the_lesson_on_github_does_not_grow():
-    """Issue 21 asked for 100 minutes on GitHub; the install, the planner and the stand-in, all
-    collapsed in Colab, keep it above that (see issue 21's closing note). It must not grow."""
-    assert reading_minutes(core(), "github") <= 165
+    """Issues 21 and 31 asked for 100 minutes on GitHub; the install, the planner and the
+    stand-in, all collapsed in Colab, keep it above that (see their closing notes): 153.1 minutes
+    after issue 31. It must not grow."""
+    assert reading_minutes(core(), "github") <= 154
 
 
 def test_going_further_reads_in_70_minutes_in_colab_none_of_it_over_12():
