@@ -5,6 +5,7 @@ import types
 
 import pytest
 import torch
+from notebook_source import notebook_cells, source
 
 CPU = torch.device("cpu")
 
@@ -171,8 +172,6 @@ def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(nb, cfg):
     """The model's and the step's cells run in a namespace holding only what a reader's notebook
     would: torch, its functional module, nn, and `te` (here the stand-in, as on a CPU); a model
     and an optimizer made there, and one FP8 step under the stand-in's DelayedScaling."""
-    from notebook_source import notebook_cells, source
-
     reader = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "te": nb.standin}
     for start in ("def padded_vocab_size(", "def train_step("):
         (cell,) = [c for c in notebook_cells() if source(c).startswith(start)]
@@ -180,8 +179,7 @@ def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(nb, cfg):
     torch.manual_seed(0)
     model = reader["CausalLM"](cfg, CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(0)
-    tokens, _ = nb.make_stride_batch(8, cfg.seq_len + 1, cfg.vocab_size, cfg.max_stride, generator)
+    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))
     before = model.head.weight.detach().clone()
     loss = reader["train_step"](model, tokens, optimizer, recipe=nb.ReferenceRecipe())
     assert torch.isfinite(loss) and not torch.equal(before, model.head.weight)
