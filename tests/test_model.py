@@ -111,7 +111,7 @@ def test_a_non_finite_loss_stops_training_naming_the_step(nb, cfg):
     model = twin(nb, cfg)
     with torch.no_grad():
         model.head.bias[0] = float("nan")
-    with pytest.raises(FloatingPointError, match="at step 0; try a lower LEARNING_RATE"):
+    with pytest.raises(FloatingPointError, match="at step 1; try a lower LEARNING_RATE"):
         nb.train(model, cfg)
 
 
