@@ -256,7 +256,7 @@ def test_the_state_sentence_gives_each_roles_range_of_scales_from_the_rows(nb, c
             (("input", 90.0), ("input", 300.0), ("weight", 2e3), ("grad_output", 1e8))
         )
     ]
-    nb.print_fp8_state(rows)
+    nb.print_scale_spread(rows)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(
         "Scales: inputs 9.0e+01 to 3.0e+02, weights 2.0e+03 to 2.0e+03, grad_outputs 1.0e+08"
@@ -268,7 +268,7 @@ def test_the_state_table_reads_newest_amax_window_max_and_scale(nb, cfg):
     model = tiny_model(nb, cfg)
     for _ in range(2):
         fp8_step(nb, cfg, model)
-    (row, *_), (_, s, slot, _) = nb.fp8_state_rows(model), next(nb.fp8_tensors(model))
+    (row, *_), (_, s, slot, _) = nb.print_fp8_state(model), next(nb.fp8_tensors(model))
     assert row["amax"] == s.amax_history[-1, slot].item() > 0
     assert row["window_max"] == s.amax_history[:, slot].max().item() >= row["amax"]
     assert row["scale"] == s.scale[slot].item()

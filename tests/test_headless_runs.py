@@ -156,7 +156,7 @@ def test_the_summarys_fp8_state_is_the_one_section_8_2_printed_and_checked(headl
     printed = next(
         "".join(o.get("text", ""))
         for c in executed["cells"]
-        if c["cell_type"] == "code" and "fp8_rows = fp8_state_rows" in "".join(c["source"])
+        if c["cell_type"] == "code" and "fp8_rows = print_fp8_state(" in "".join(c["source"])
         for o in c["outputs"]
     )
     lines = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if "/" in line}

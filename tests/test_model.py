@@ -1,11 +1,12 @@
 """The model: TE's architecture, its PyTorch stand-in, causality, and the training loop's guards."""
 
 import dataclasses
+import sys
 import types
 
 import pytest
 import torch
-from notebook_source import notebook_cells, source
+from notebook_source import markdown_cell, notebook_cells, source
 
 CPU = torch.device("cpu")
 
@@ -168,19 +169,75 @@ def test_using_puts_other_modules_in_tes_place_and_restores_it(nb, cfg):
     assert nb.te is nb.standin
 
 
-def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(nb, cfg):
-    """The model's and the step's cells run in a namespace holding only what a reader's notebook
-    would: torch, its functional module, nn, and `te` (here the stand-in, as on a CPU); a model
-    and an optimizer made there, and one FP8 step under the stand-in's DelayedScaling."""
-    reader = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "te": nb.standin}
-    for start in ("def padded_vocab_size(", "def train_step("):
-        (cell,) = [c for c in notebook_cells() if source(c).startswith(start)]
-        exec(source(cell), reader)  # noqa: S102 the notebook's own cells
+COPY_CELLS = (
+    "class CausalLM(",
+    "def train_step(",
+    "def delayed_scaling(",
+    "def print_fp8_state(model)",
+)
+READER_TE = "from fp8_lesson import te, DelayedScaling, Format"  # section 6's sentence, on a CPU
+
+
+def copy_cells():
+    return [next(source(c) for c in notebook_cells() if piece in source(c)) for piece in COPY_CELLS]
+
+
+IMPORTS = [
+    (i, line)
+    for i, text in enumerate(copy_cells())
+    for line in text.splitlines()
+    if line.startswith(("import ", "from "))
+]
+
+
+def paste_and_train(texts, lesson_folder, monkeypatch):
+    """Each copy cell pasted into a reader's fresh notebook on a CPU: its own first lines, and
+    section 6's line for te; the model built, one FP8 step taken, its FP8 state printed."""
+    monkeypatch.syspath_prepend(str(lesson_folder))
+    monkeypatch.delitem(sys.modules, "fp8_lesson", raising=False)
+    pasted = []
+    for text in texts:
+        reader = {}
+        exec(READER_TE, reader)  # noqa: S102
+        exec(text, reader)  # noqa: S102 the notebook's own cells, each in its own notebook
+        pasted.append(reader)
+    model_cell, step_cell, recipe_cell, state_cell = pasted
+    sizes = {"vocab_size": 50, "seq_len": 32, "d_model": 64, "ffn_hidden": 128, "n_heads": 4}
+    recipe = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
+    cfg = types.SimpleNamespace(n_layers=2, fp8_margin=0, **sizes, **recipe)  # a reader's own
     torch.manual_seed(0)
-    model = reader["CausalLM"](cfg, CPU)
+    model = model_cell["CausalLM"](cfg, CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))
+    tokens = (3 * torch.arange(33) + torch.arange(8)[:, None]) % 50  # 8 sequences, stride 3
     before = model.head.weight.detach().clone()
-    loss = reader["train_step"](model, tokens, optimizer, recipe=nb.ReferenceRecipe())
+    loss = step_cell["train_step"](model, tokens, optimizer, recipe_cell["delayed_scaling"](cfg))
     assert torch.isfinite(loss) and not torch.equal(before, model.head.weight)
     assert model.head.weight.grad is None  # the step zeroed the gradients, set to None
+    return state_cell["print_fp8_state"](model)
+
+
+def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(
+    nb, tmp_path, monkeypatch, capsys
+):
+    """No object of the notebook's: te, DelayedScaling and Format come from the file a CPU
+    reader imports them from, and everything else from each cell's own import lines."""
+    nb.write_lesson_module(tmp_path / "fp8_lesson.py")
+    rows = paste_and_train(copy_cells(), tmp_path, monkeypatch)
+    assert READER_TE in " ".join(markdown_cell("## 6. The model").split())
+    printed = capsys.readouterr().out
+    assert len(rows) == 3 * (4 * 2 + 1)  # 3 roles x (4 GEMMs a layer x 2 layers + the head)
+    for row in rows:  # every FP8 tensor printed with its amaxes and its scale
+        assert 0 < row["amax"] <= row["window_max"] and row["scale"] > 0
+        line = next(line for line in printed.splitlines() if line.startswith(row["tensor"] + " "))
+        assert f"{row['scale']:.3e}" in line and f"{row['window_max']:.3g}" in line
+
+
+@pytest.mark.parametrize(
+    "cell, line", IMPORTS, ids=[f"{COPY_CELLS[i]} {line}" for i, line in IMPORTS]
+)
+def test_each_import_line_of_the_copy_cells_is_needed(nb, tmp_path, monkeypatch, cell, line):
+    nb.write_lesson_module(tmp_path / "fp8_lesson.py")
+    texts = copy_cells()
+    texts[cell] = texts[cell].replace(line + "\n", "", 1)
+    with pytest.raises(NameError):
+        paste_and_train(texts, tmp_path, monkeypatch)

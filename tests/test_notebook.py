@@ -179,8 +179,9 @@ def test_the_whole_notebook_does_not_grow():
     section 8.2's), 10.1's code, lines ruff had split, one-use temporaries and helpers, to 1,450.
     Issue 31 asked again for 1,250: a compact table of parameter rules, and the repetitions found
     in the planner, 8.1's plot and 10.2 and 10.7, gave 1,437, the cap; the rest is code every
-    rule, message, runtime and experiment needs (its closing note says where)."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1437
+    rule, message, runtime and experiment needs (its closing note says where). Issue 44 allows
+    1,460: cells that paste on their own open with their imports, and its fixes."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1460
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
@@ -201,8 +202,10 @@ def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
 def test_the_lesson_on_github_does_not_grow():
     """Issues 21 and 31 asked for 100 minutes on GitHub; the install, the planner and the
     stand-in, all collapsed in Colab, keep it above that (see their closing notes): 152.5 minutes
-    after issue 31. It must not grow."""
-    assert reading_minutes(core(), "github") <= 153
+    after issue 31; 155.8 after issue 44 (the lines it allows: cells to copy that open with their
+    imports and print the FP8 state, every broken rule at once, the CPU's BF16 fact). It must not
+    grow."""
+    assert reading_minutes(core(), "github") <= 155.8
 
 
 def test_going_further_reads_in_70_minutes_in_colab_none_of_it_over_12():

@@ -50,6 +50,19 @@ def test_all_problems_are_reported_together(nb, defaults):
     assert str(err.value).count("\n  ") == 3
 
 
+def test_a_relation_between_sane_sizes_is_named_beside_the_other_broken_rules(nb, defaults):
+    """Issue 44: with these three broken, N_HEADS's rule was left out, and the user ran again."""
+    with pytest.raises(ValueError) as err:
+        nb.check_parameters(defaults | {"N_HEADS": 3, "LEARNING_RATE": -1, "FP8_FORMAT": "E5M2"})
+    problems = str(err.value).split("\n  ")[1:]
+    assert len(problems) == 3 and "D_MODEL=128: must be divisible by N_HEADS=3" in problems
+    broken_sizes = {"N_HEADS": 0, "MAX_STRIDE": 100, "PROMPT_LEN": 20, "GEN_TOKENS": 13}
+    with pytest.raises(ValueError) as err:  # a relation whose size is itself broken stays out
+        nb.check_parameters(defaults | broken_sizes | {"SEED": -1})
+    problems = str(err.value).split("\n  ")[1:]
+    assert [p.split("=")[0] for p in problems] == ["SEED", "N_HEADS", "MAX_STRIDE", "GEN_TOKENS"]
+
+
 def test_the_defaults_are_valid_and_become_lower_case_fields(nb, defaults):
     cfg = nb.check_parameters(defaults)
     assert (cfg.d_model, cfg.train_steps, cfg.precision) == (128, defaults["TRAIN_STEPS"], "auto")
