@@ -1,6 +1,7 @@
 """Section 10.8: the notebook's fp8_ddp.py cell, with fp8_lesson.py written from the notebook's
 own cells beside it, run under torchrun on two CPU ranks (gloo), as the notebook's check runs it."""
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -35,6 +36,15 @@ def test_without_the_reduction_the_ranks_scales_differ_but_ddp_keeps_the_weights
 ):
     unreduced = nb.run_data_parallel(cfg, 2, 2, "--cpu", "--no-amax-reduction", script=script)
     assert [run["same"] for run in unreduced] == [[[False, True]] * 2] * 2
+
+
+@pytest.mark.parametrize("batch_size", [3, 1])
+def test_a_batch_the_ranks_do_not_divide_is_refused_naming_batch_size(nb, cfg, script, batch_size):
+    """Issue 44: .chunk(2) gave the ranks 2 and 1 rows of 3, and a batch of 1 raised IndexError
+    on the second rank; the script now stops first, saying what to change."""
+    small = dataclasses.replace(cfg, batch_size=batch_size)
+    with pytest.raises(RuntimeError, match=f"BATCH_SIZE={batch_size} must be a multiple of the 2"):
+        nb.run_data_parallel(small, 2, 1, "--cpu", script=script)
 
 
 def test_the_ranks_first_loss_is_one_processs_loss_on_its_half_of_the_batch(nb, cfg, reduced):

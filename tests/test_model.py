@@ -102,10 +102,27 @@ def test_training_tracks_what_it_is_asked_to_after_every_step(nb, cfg):
 
 
 def test_a_run_names_the_steps_its_final_loss_is_the_mean_of(nb, cfg):
-    """The mean of the last 20 steps, or of every step in a shorter run (TRAIN_STEPS=3)."""
+    """The mean of the last 20 steps, or of every step in a shorter run (TRAIN_STEPS=3), and a
+    one-step run says it is one (it said "the mean of the last 1 steps")."""
     result = nb.train(twin(nb, cfg), cfg, steps=3)
     assert result.final_loss == pytest.approx(sum(result.losses) / 3)
-    assert nb.loss_change(result).endswith(", the mean of the last 3 steps")
+    assert nb.loss_change(result).endswith(", the mean of all 3 steps")
+    assert nb.train(twin(nb, cfg), cfg, steps=21).mean_of == "mean of the last 20 steps"
+    one = nb.train(twin(nb, cfg), cfg, steps=1)
+    assert nb.loss_change(one).endswith(" at step 1, the only step: train longer to see it fall")
+
+
+def test_the_cpu_threads_are_timed_at_torchs_count_and_at_one(nb, cfg):
+    """Issue 44: beside a busy process torch's 2 threads took 130 ms a step, 1 thread 52 (on a
+    quiet machine 31 and 50): the notebook times both now and keeps the faster."""
+    model, threads = twin(nb, cfg), torch.get_num_threads()
+    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))[:, :-1]
+    try:
+        seconds = nb.fastest_cpu_threads(model, tokens, rounds=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(seconds) == {threads, 1} and all(s > 0 for s in seconds.values())
+    assert all(p.grad is None for p in model.parameters())  # its backward passes leave nothing
 
 
 def test_a_non_finite_loss_stops_training_naming_the_step(nb, cfg):

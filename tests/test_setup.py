@@ -29,13 +29,14 @@ def test_install_decision(nb, capability, te_version, cudnn, install, words):
 
 
 @pytest.mark.parametrize(
-    "cores, memory_gib, jobs", [(2, 12.7, 2), (12, 83, 12), (8, 5, 3), (4, 1, 1)]
+    "cores, memory_gib, jobs", [(2, 12.7, 2), (12, 83, 12), (8, 5, 3), (4, 1, 1), (None, 12.7, 1)]
 )
 def test_compile_jobs_fit_the_cores_and_the_memory(nb, cores, memory_gib, jobs):
     _, why, planned = nb.te_install_plan((9, 0), None, (9, 19), cores, memory_gib)
-    assert planned == jobs
+    assert planned == jobs  # os.cpu_count() may return None (issue 44: it raised TypeError)
     assert (
-        f"{jobs} jobs ({cores} cores" in why and f"{nb.COMPILE_CPU_MINUTES / jobs:.0f} min" in why
+        f"{jobs} jobs ({cores or 1} cores" in why
+        and f"{nb.COMPILE_CPU_MINUTES / jobs:.0f} min" in why
     )
 
 
