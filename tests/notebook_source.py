@@ -22,6 +22,16 @@ def source(cell):
     return "".join(cell["source"])
 
 
+def outputs_text(cells):
+    """What the code cells printed, an entry per stream, error and value shown."""
+    out = []
+    for cell in cells:
+        for output in cell.get("outputs", []) if cell["cell_type"] == "code" else ():
+            out.append("".join(output.get("text", "")) + output.get("evalue", ""))
+            out.append("".join(output.get("data", {}).get("text/plain", "")))
+    return out
+
+
 def code_sha256(cells):
     """The hash of the code cells' sources, in order: what a set of saved outputs was run from."""
     code = [source(c) for c in cells if c["cell_type"] == "code"]

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from notebook_source import NOTEBOOK
+from notebook_source import NOTEBOOK, outputs_text
 
 SUMMARY_KEYS = (
     "plan device initial_loss final_loss train_steps train_seconds stride_token_accuracy "
@@ -148,18 +148,13 @@ def test_every_precision_a_cpu_supports_runs_to_the_end_when_forced(tmp_path, pr
     else:  # an odd batch: the two-rank check is skipped, saying why, not failed
         reason = "BATCH_SIZE=3 is odd: two ranks need equal shares"
         assert summary["experiments"]["two_ranks"] == {"status": "skipped", "reason": reason}
-        assert "Too few steps to draw (TRAIN_STEPS=2)" in printed(executed)
-
-
-def printed(executed):
-    outputs = (o for c in executed["cells"] for o in c.get("outputs", []))
-    return "".join("".join(o.get("text", "")) for o in outputs)
+        assert "Too few steps to draw (TRAIN_STEPS=2)" in "".join(outputs_text(executed["cells"]))
 
 
 def one_step_reads_well(executed):
     """Issue 44: TRAIN_STEPS=1 printed "the mean of the last 1 steps" and "0 of 0", and drew
     empty plots; it says so in words now, and the failed stride check says what to change."""
-    text = printed(executed)
+    text = "".join(outputs_text(executed["cells"]))
     for words in (
         "at step 1, the only step: train longer",
         "Too few steps to draw (TRAIN_STEPS=1)",

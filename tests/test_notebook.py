@@ -13,6 +13,7 @@ from notebook_source import (
     REPO,
     code_sha256,
     notebook_cells,
+    outputs_text,
     source,
     stated_run_seconds,
 )
@@ -336,15 +337,6 @@ def test_the_prose_states_the_flush_thresholds_the_notebook_computes(nb):
 # The saved outputs: from one top-to-bottom CPU run of exactly this code (tests/save_outputs.py)
 def saved():
     return json.loads(NOTEBOOK.read_text())
-
-
-def outputs_text(cells):
-    out = []
-    for cell in code_cells(cells):
-        for output in cell["outputs"]:
-            out.append("".join(output.get("text", "")) + output.get("evalue", ""))
-            out.append("".join(output.get("data", {}).get("text/plain", "")))
-    return out
 
 
 def test_the_saved_outputs_are_from_a_run_of_this_code():
