@@ -1,6 +1,7 @@
 """The model: TE's architecture, its PyTorch stand-in, causality, and the training loop's guards."""
 
 import dataclasses
+import pickle
 import sys
 import types
 
@@ -44,6 +45,12 @@ def test_the_stand_in_uses_tes_parameter_names_so_tes_weights_load_into_it(nb, c
         "final_norm.bias",
         "head.weight",
         "head.bias",
+        *(  # each FP8 module's state, as TE's modules keep it (issue 46)
+            f"{m}._extra_state"
+            for m in (f"{layer}self_attention.layernorm_qkv", f"{layer}self_attention.proj")
+        ),
+        f"{layer}layernorm_mlp._extra_state",
+        "head._extra_state",
     }
 
 
@@ -168,6 +175,59 @@ def test_weights_load_by_name_and_shape_and_mismatches_are_named(nb, cfg):
     assert torch.equal(target.head.weight, source.head.weight)
     with pytest.raises(KeyError, match="unexpected"):
         nb.load_weights(target, source.state_dict() | {"head.extra_weight": torch.zeros(1)})
+
+
+def fp8_trained(nb, cfg, steps=3):
+    """A stand-in model after a few FP8 steps of the reference, and the recipe it ran."""
+    model, recipe = twin(nb, cfg), nb.delayed_scaling(cfg)
+    optimizer, data = (
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        torch.Generator().manual_seed(0),
+    )
+    for _ in range(steps):
+        nb.train_step(model, nb.training_batch(cfg, data), optimizer, recipe)
+    return model, recipe
+
+
+def test_a_model_never_run_in_fp8_saves_an_empty_fp8_state_as_tes_modules_do(nb, cfg):
+    extra = {k: v for k, v in twin(nb, cfg).state_dict().items() if k.endswith("_extra_state")}
+    assert extra and all(v.dtype == torch.uint8 and v.numel() == 0 for v in extra.values())
+
+
+def test_the_stand_ins_fp8_state_is_saved_under_tes_keys_and_loads_back_exactly(nb, cfg):
+    """Issue 46: get_extra_state pickles TE's keys (module/base.py); load_weights keeps them."""
+    model, recipe = fp8_trained(nb, cfg)
+    saved = model.state_dict()
+    head = pickle.loads(saved["head._extra_state"].numpy().tobytes())
+    assert set(head) == {"recipe", "extra_fp8_variables"} | {
+        f"{k}_{d}" for k in ("scale", "amax_history") for d in ("fwd", "bwd")
+    }
+    assert head["recipe"] == recipe and head["extra_fp8_variables"] == {"num_gemms": 1}
+    assert head["amax_history_fwd"].shape == (cfg.amax_history_len, 3)  # input, weight, output
+    assert head["scale_bwd"].shape == (2,)  # the gradient's slots
+    resumed = nb.load_weights(twin(nb, dataclasses.replace(cfg, seed=1)), saved)
+    for (label, state, slot, _), (_, back, _, _) in zip(
+        nb.fp8_tensors(model), nb.fp8_tensors(resumed), strict=True
+    ):
+        assert torch.equal(back.scale[slot], state.scale[slot]), label
+        assert torch.equal(back.amax_history[:, slot], state.amax_history[:, slot]), label
+        assert state.scale[slot] != 1  # trained: each scale moved off its initial 1
+
+
+def test_without_its_fp8_state_a_loaded_model_casts_differently(nb, cfg):
+    """The same weights, with and without `_extra_state`: one FP8 forward differs without it."""
+    model, recipe = fp8_trained(nb, cfg)
+    saved = model.state_dict()
+    weights_only = {k: v for k, v in saved.items() if not k.endswith("_extra_state")}
+    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(1))[:, :-1]
+    logits = []
+    for state in (saved, weights_only):
+        loaded = nb.load_weights(twin(nb, cfg), state)
+        with torch.no_grad(), nb.reference_autocast(recipe=recipe):
+            logits.append(loaded(tokens))
+    with torch.no_grad(), nb.reference_autocast(recipe=recipe):
+        assert torch.equal(model(tokens), logits[0])
+    assert not torch.equal(logits[0], logits[1])
 
 
 def test_a_run_on_tes_modules_empties_tes_list_and_lets_its_own_model_rejoin_it(nb, cfg):

@@ -73,10 +73,21 @@ def test_the_notebooks_te_model_builds_with_the_stand_ins_names_and_shapes(nb, c
     with cuda_device():
         torch.manual_seed(cfg.seed)
         model = nb.CausalLM(cfg, CPU)
-    weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     with nb.using(nb.standin):
         twin = nb.CausalLM(cfg, CPU).state_dict()
-    assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in twin.items()}
+    shapes = [
+        {k: v.shape for k, v in state.items() if not k.endswith("_extra_state")}
+        for state in (model.state_dict(), twin)
+    ]
+    assert shapes[0] == shapes[1]
+    fp8_states = [
+        {k for k in state if k.endswith("_extra_state")} for state in (model.state_dict(), twin)
+    ]
+    assert fp8_states[1] < fp8_states[0]  # the stand-in's FP8 state under TE's names (issue 46)
+    assert fp8_states[0] - fp8_states[1] == {
+        "final_norm._extra_state",
+        *(f"layers.{i}.self_attention.core_attention._extra_state" for i in range(cfg.n_layers)),
+    }
     assert sum(p.numel() for p in model.parameters()) == nb.expected_parameter_count(cfg)
     assert [type(layer) for layer in model.layers] == [te.TransformerLayer] * cfg.n_layers
 
@@ -87,12 +98,35 @@ def test_tes_weights_load_strictly_into_the_stand_in_and_back(nb, cfg):
         back = nb.CausalLM(cfg, CPU)
     with nb.using(nb.standin):
         twin = nb.CausalLM(cfg, CPU)
-    weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    twin.load_state_dict(weights, strict=True)
+    nb.load_weights(twin, model.state_dict())  # TE's LayerNorm and attention: no twin state
     nb.load_weights(back, twin.state_dict())  # TE's _extra_state is the only thing missing
     for key, value in back.state_dict().items():
         if not key.endswith("_extra_state"):
             assert torch.equal(value, model.state_dict()[key]), key
+
+
+def test_tes_pickle_screen_reads_the_stand_ins_fp8_state_as_delayed_scaling_state(
+    nb, cfg, monkeypatch
+):
+    """Issue 46: TE's own screen (should_load_extra_state_pickle) takes the stand-in's
+    `_extra_state` for TE's delayed-scaling payload: refused unless the variable is set."""
+    from transformer_engine.pytorch._extra_state import should_load_extra_state_pickle
+
+    with nb.using(nb.standin):
+        model = nb.CausalLM(cfg, CPU)
+    assert (
+        should_load_extra_state_pickle(model.head.get_extra_state().numpy().tobytes(), "Linear")
+        is False
+    )
+    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))[:, :-1]
+    with nb.reference_autocast(recipe=nb.ReferenceRecipe()):
+        model(tokens).sum().backward()
+    payload = model.head.get_extra_state().numpy().tobytes()
+    monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+    with pytest.raises(RuntimeError, match="NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1"):
+        should_load_extra_state_pickle(payload, "Linear")
+    monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
+    assert should_load_extra_state_pickle(payload, "Linear") is True
 
 
 def injected_step_passes(recipe):
