@@ -1,4 +1,4 @@
-"""Section 10.8: the notebook's fp8_ddp.py cell, with fp8_lesson.py written from the notebook's
+"""Section 10.9: the notebook's fp8_ddp.py cell, with fp8_lesson.py written from the notebook's
 own cells beside it, run under torchrun on two CPU ranks (gloo), as the notebook's check runs it."""
 
 import dataclasses

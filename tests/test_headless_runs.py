@@ -75,7 +75,13 @@ def test_headless_reference_fp8_run_learns_like_fp32(headless):
 
 def test_headless_run_records_every_experiment(headless):
     experiments = headless[0]["experiments"]
-    ran = {"fp8_vs_high_precision", "e4m3_vs_hybrid", "amax_history", "two_ranks"}
+    ran = {
+        "fp8_vs_high_precision",
+        "e4m3_vs_hybrid",
+        "amax_history",
+        "two_ranks",
+        "checkpoint_resume",
+    }
     ran |= {"recipes_on_real_tensors", "fp8_estimate"}
     needs_gpu = {"te_vs_standin", "fp8_weights"}
     needs_gpu |= {"te_quantizers_vs_references", "benchmark", "data_parallel_script"}

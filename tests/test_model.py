@@ -230,6 +230,46 @@ def test_without_its_fp8_state_a_loaded_model_casts_differently(nb, cfg):
     assert not torch.equal(logits[0], logits[1])
 
 
+def fp8_state_and_weights(nb, model):
+    fp8 = [t for _, s, i, _ in nb.fp8_tensors(model) for t in (s.scale[i], s.amax_history[:, i])]
+    return fp8 + list(model.parameters())
+
+
+def test_a_checkpoint_resumes_bitwise_and_not_without_its_fp8_state(nb, cfg, tmp_path):
+    """Issue 46: 3 FP8 steps, save_checkpoint, a new model and optimizer, load_checkpoint, 3 more
+    steps: bitwise 6 steps straight; the same checkpoint with each `_extra_state` emptied (as a
+    model never run in FP8 saves it) restarts every scale at 1, and is not."""
+    recipe, data = nb.delayed_scaling(cfg), torch.Generator().manual_seed(0)
+    batches = [nb.training_batch(cfg, data) for _ in range(6)]
+
+    def build():
+        model = twin(nb, cfg)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train(model, optimizer, part):
+        return [nb.train_step(model, batch, optimizer, recipe).item() for batch in part]
+
+    straight, optimizer = build()
+    losses, path = train(straight, optimizer, batches), tmp_path / "checkpoint.pt"
+    for keep_fp8_state in (True, False):
+        model, optimizer = build()
+        resumed = train(model, optimizer, batches[:3])
+        nb.save_checkpoint(path, model, optimizer, step=3)
+        if not keep_fp8_state:
+            state = torch.load(path)
+            empty = torch.empty(0, dtype=torch.uint8)
+            state["model"] = {
+                k: empty if k.endswith("_extra_state") else v for k, v in state["model"].items()
+            }
+            torch.save(state, path)
+        model, optimizer = build()
+        resumed += train(model, optimizer, batches[nb.load_checkpoint(path, model, optimizer) :])
+        pairs = zip(*(fp8_state_and_weights(nb, m) for m in (straight, model)), strict=True)
+        same = resumed == losses and all(torch.equal(a, b) for a, b in pairs)
+        assert same is keep_fp8_state
+        assert (resumed[3:] == losses[3:]) is keep_fp8_state  # the steps after the resume
+
+
 def test_a_run_on_tes_modules_empties_tes_list_and_lets_its_own_model_rejoin_it(nb, cfg):
     """TE updates every delayed-scaling module of its global list at each FP8 autocast exit, and
     leaves out for good a module that still holds a place in an old list: a run empties the

@@ -37,7 +37,7 @@ def test_auto_plan_for_each_runtime(nb, runtimes, runtime, precision, backend):
 
 
 def test_the_runtime_tables_of_10_1_and_the_readme_are_choose_plan_on_each_runtime(nb):
-    notebook = markdown_table(RUNTIMES_HEADER, markdown_cell("### 10.1"))
+    notebook = markdown_table(RUNTIMES_HEADER, markdown_cell("### 10.1 "))
     assert notebook == markdown_table(RUNTIMES_HEADER, README.read_text())
     computed = list(plan_rows(nb))
     assert [row[:4] for row in notebook] == [row[:4] for row in computed]
@@ -47,7 +47,7 @@ def test_the_runtime_tables_of_10_1_and_the_readme_are_choose_plan_on_each_runti
 
 
 def test_the_recipe_tables_of_10_1_and_the_readme_agree_and_name_every_recipe(nb):
-    notebook = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1"))
+    notebook = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1 "))
     assert notebook == markdown_table(RECIPES_HEADER, README.read_text())
     assert [row[0] for row in notebook] == list(nb.RECIPE_CHECKS)
     checks = {tes_check(cell) for row in notebook for cell in row[1:]}

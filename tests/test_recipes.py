@@ -1,4 +1,4 @@
-"""Section 10.7: TE's other recipes as references, checked against hand-computed cases, against
+"""Section 10.8: TE's other recipes as references, checked against hand-computed cases, against
 torchao's MX reference, and (tests/te_stage) against TE's own Python references."""
 
 import warnings

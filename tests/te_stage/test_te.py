@@ -179,7 +179,7 @@ def test_the_recipe_table_is_what_tes_checks_say_with_each_cuda(nb, runtime, cud
     recipes = other_recipes(nb, CAPABILITIES[runtime], cuda)
     runs = tuple(name for name, why_not in recipes.items() if why_not is None)
     columns = RECIPES_HEADER.strip("| ").split(" | ")[1:]  # the runtimes, as the table names them
-    table = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1"))
+    table = markdown_table(RECIPES_HEADER, markdown_cell("### 10.1 "))
     on = {row[0]: dict(zip(columns, row[1:], strict=True))[runtime] for row in table}
     admitted = ("yes", f"with CUDA {cuda} only")
     assert runs == tuple(name for name in on if tes_check(on[name]) in admitted)
