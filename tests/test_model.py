@@ -270,6 +270,26 @@ def test_a_checkpoint_resumes_bitwise_and_not_without_its_fp8_state(nb, cfg, tmp
         assert (resumed[3:] == losses[3:]) is keep_fp8_state  # the steps after the resume
 
 
+def test_without_its_fp8_state_only_the_first_step_after_a_resume_casts_at_scale_1(nb, cfg):
+    """Issue 46: emptied histories hold zeros, which never win `max`: the first step after a
+    resume without the FP8 state flushes far more values than the straight run's same step,
+    and the next step casts at scales from amaxes again."""
+    model, recipe = fp8_trained(nb, cfg, steps=4)
+    weights_only = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    resumed = nb.load_weights(twin(nb, cfg), weights_only)
+    flushed = {}
+    for name, m in (("straight", model), ("resumed", resumed)):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.0)  # the same weights for both
+        data = torch.Generator().manual_seed(1)  # the same two batches for both
+        batches = [nb.training_batch(cfg, data) for _ in range(2)]
+        flushed[name] = []
+        for batch in batches:
+            nb.train_step(m, batch, optimizer, recipe)
+            flushed[name].append(nb.shares_used(m)[1])  # % flushed, over all FP8 tensors
+    assert flushed["resumed"][0] > 10 * flushed["straight"][0]
+    assert flushed["resumed"][1] < 2 * flushed["straight"][1] + 0.01
+
+
 def test_a_run_on_tes_modules_empties_tes_list_and_lets_its_own_model_rejoin_it(nb, cfg):
     """TE updates every delayed-scaling module of its global list at each FP8 autocast exit, and
     leaves out for good a module that still holds a place in an old list: a run empties the
