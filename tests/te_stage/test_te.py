@@ -129,6 +129,35 @@ def test_tes_pickle_screen_reads_the_stand_ins_fp8_state_as_delayed_scaling_stat
     assert should_load_extra_state_pickle(payload, "Linear") is True
 
 
+def test_a_te_linear_never_run_in_fp8_saves_an_empty_fp8_state(nb):
+    """Issue 46: TE's own get_extra_state on a module built on a CPU: an empty uint8 tensor,
+    which the stand-in's matches (and which TE's set_extra_state takes as nothing to load)."""
+    with cuda_device():
+        layer = te.Linear(16, 16, device="cpu")
+    state = layer.state_dict()["_extra_state"]
+    assert state.dtype == torch.uint8 and state.numel() == 0
+    layer.set_extra_state(state)  # nothing to load: no pickle screened, no GPU touched
+    with nb.using(nb.standin):
+        twin = nb.standin.Linear(16, 16, device=CPU)
+    assert torch.equal(twin.state_dict()["_extra_state"], state)
+
+
+def test_tes_set_extra_state_refuses_a_pickled_fp8_state_without_the_variable(nb, cfg, monkeypatch):
+    """Issue 46: what load_state_dict meets on TE: its set_extra_state screens the payload
+    (here the stand-in's, in TE's format) before it unpickles anything. Past the screen, TE
+    allocates the state on the GPU: that half needs one (not run here)."""
+    with nb.using(nb.standin):
+        model = nb.CausalLM(cfg, CPU)
+    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))[:, :-1]
+    with nb.reference_autocast(recipe=nb.ReferenceRecipe()):
+        model(tokens).sum().backward()
+    with cuda_device():
+        layer = te.Linear(cfg.d_model, nb.padded_vocab_size(cfg.vocab_size), device="cpu")
+    monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+    with pytest.raises(RuntimeError, match="Refusing to load pickled Transformer Engine extra"):
+        layer.set_extra_state(model.head.get_extra_state())
+
+
 def injected_step_passes(recipe):
     return None
 
