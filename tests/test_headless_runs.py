@@ -139,6 +139,15 @@ def test_headless_fp8_estimate_grows_with_size_and_tokens_from_a_loss_to_a_gain(
         assert all(row[part] > 0 for row in rows for part in parts)
 
 
+def test_headless_resume_is_bitwise_and_without_its_fp8_state_flushes_once(headless):
+    """Issue 46, 10.7 on a CPU: the resume from a checkpoint is bitwise the straight run; from
+    the same checkpoint without its FP8 state, the first step flushes far more than the next."""
+    resume = headless[0]["experiments"]["checkpoint_resume"]
+    assert resume["status"] == "ran" and resume["bitwise_same"] is True
+    (_, _, first_flushed), (_, _, next_flushed) = resume["without_fp8_state"][:2]
+    assert first_flushed > 10 * next_flushed
+
+
 def test_headless_outputs_are_formatted_for_people(headless):
     """No raw dict, list of dicts or dataclass repr is printed."""
     _, executed = headless

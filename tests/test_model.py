@@ -202,7 +202,8 @@ def test_the_stand_ins_fp8_state_is_saved_under_tes_keys_and_loads_back_exactly(
     assert set(head) == {"recipe", "extra_fp8_variables"} | {
         f"{k}_{d}" for k in ("scale", "amax_history") for d in ("fwd", "bwd")
     }
-    assert head["recipe"] == recipe and head["extra_fp8_variables"] == {"num_gemms": 1}
+    assert head["recipe"] == recipe
+    assert head["extra_fp8_variables"] == {"num_gemms": 1, "fp8_checkpoint": True}
     assert head["amax_history_fwd"].shape == (cfg.amax_history_len, 3)  # input, weight, output
     assert head["scale_bwd"].shape == (2,)  # the gradient's slots
     resumed = nb.load_weights(twin(nb, dataclasses.replace(cfg, seed=1)), saved)

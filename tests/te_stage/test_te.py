@@ -108,8 +108,9 @@ def test_tes_weights_load_strictly_into_the_stand_in_and_back(nb, cfg):
 def test_tes_pickle_screen_reads_the_stand_ins_fp8_state_as_delayed_scaling_state(
     nb, cfg, monkeypatch
 ):
-    """Issue 46: TE's own screen (should_load_extra_state_pickle) takes the stand-in's
-    `_extra_state` for TE's delayed-scaling payload: refused unless the variable is set."""
+    """Issue 46: TE's own screen (should_load_extra_state_pickle) ignores the stand-in's empty
+    `_extra_state` and refuses its pickled FP8 state unless the variable is set (as it refuses
+    any pickle that names a class: this shows the variable, not the format)."""
     from transformer_engine.pytorch._extra_state import should_load_extra_state_pickle
 
     with nb.using(nb.standin):
@@ -144,8 +145,10 @@ def test_a_te_linear_never_run_in_fp8_saves_an_empty_fp8_state(nb):
 
 def test_tes_set_extra_state_refuses_a_pickled_fp8_state_without_the_variable(nb, cfg, monkeypatch):
     """Issue 46: what load_state_dict meets on TE: its set_extra_state screens the payload
-    (here the stand-in's, in TE's format) before it unpickles anything. Past the screen, TE
-    allocates the state on the GPU: that half needs one (not run here)."""
+    (here the stand-in's) before it unpickles anything. Past the screen, TE builds its state
+    on the GPU (init_fp8_meta_tensors) and syncs it: not run here, since only "a CUDA device
+    exists" may be patched. A stand-in payload from a CPU holds the stand-in's recipe, which
+    TE's set_extra_state cannot use: TE loads checkpoints that TE saved."""
     with nb.using(nb.standin):
         model = nb.CausalLM(cfg, CPU)
     tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))[:, :-1]
