@@ -231,11 +231,6 @@ def test_without_its_fp8_state_a_loaded_model_casts_differently(nb, cfg):
     assert not torch.equal(logits[0], logits[1])
 
 
-def fp8_state_and_weights(nb, model):
-    fp8 = [t for _, s, i, _ in nb.fp8_tensors(model) for t in (s.scale[i], s.amax_history[:, i])]
-    return fp8 + list(model.parameters())
-
-
 def test_a_checkpoint_resumes_bitwise_and_not_without_its_fp8_state(nb, cfg, tmp_path):
     """Issue 46: 3 FP8 steps, save_checkpoint, a new model and optimizer, load_checkpoint, 3 more
     steps: bitwise 6 steps straight; the same checkpoint with each `_extra_state` emptied (as a
@@ -265,7 +260,7 @@ def test_a_checkpoint_resumes_bitwise_and_not_without_its_fp8_state(nb, cfg, tmp
             torch.save(state, path)
         model, optimizer = build()
         resumed += train(model, optimizer, batches[nb.load_checkpoint(path, model, optimizer) :])
-        pairs = zip(*(fp8_state_and_weights(nb, m) for m in (straight, model)), strict=True)
+        pairs = zip(*map(nb.fp8_state_and_weights, (straight, model)), strict=True)
         same = resumed == losses and all(torch.equal(a, b) for a, b in pairs)
         assert same is keep_fp8_state
         assert (resumed[3:] == losses[3:]) is keep_fp8_state  # the steps after the resume
