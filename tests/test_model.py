@@ -68,9 +68,11 @@ def test_the_stand_in_refuses_settings_it_does_not_implement(nb):
 
 
 def test_logits_cover_the_real_vocabulary_only(nb, cfg):
-    model = twin(nb, cfg)
-    assert model.head.weight.shape[0] == 64  # 50 padded to 64
-    assert model(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 50)
+    """The head outside FP8 has the vocabulary's rows; in FP8 (10.2) it pads them to 16."""
+    for fp8_head, rows in ((False, 50), (True, 64)):
+        model = nb.CausalLM(cfg, CPU, fp8_head=fp8_head)
+        assert model.head.weight.shape[0] == rows
+        assert model(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 50)
 
 
 def test_changing_a_token_changes_no_earlier_logits(nb, cfg):
@@ -198,14 +200,15 @@ def test_the_stand_ins_fp8_state_is_saved_under_tes_keys_and_loads_back_exactly(
     """Issue 46: get_extra_state pickles TE's keys (module/base.py); load_weights keeps them."""
     model, recipe = fp8_trained(nb, cfg)
     saved = model.state_dict()
-    head = pickle.loads(saved["head._extra_state"].numpy().tobytes())
-    assert set(head) == {"recipe", "extra_fp8_variables"} | {
+    proj = pickle.loads(saved["layers.0.self_attention.proj._extra_state"].numpy().tobytes())
+    assert set(proj) == {"recipe", "extra_fp8_variables"} | {
         f"{k}_{d}" for k in ("scale", "amax_history") for d in ("fwd", "bwd")
     }
-    assert head["recipe"] == recipe
-    assert head["extra_fp8_variables"] == {"num_gemms": 1, "fp8_checkpoint": True}
-    assert head["amax_history_fwd"].shape == (cfg.amax_history_len, 3)  # input, weight, output
-    assert head["scale_bwd"].shape == (2,)  # the gradient's slots
+    assert proj["recipe"] == recipe
+    assert proj["extra_fp8_variables"] == {"num_gemms": 1, "fp8_checkpoint": True}
+    assert proj["amax_history_fwd"].shape == (cfg.amax_history_len, 3)  # input, weight, output
+    assert proj["scale_bwd"].shape == (2,)  # the gradient's slots
+    assert saved["head._extra_state"].numel() == 0  # the head never ran in FP8 (section 6)
     resumed = nb.load_weights(twin(nb, dataclasses.replace(cfg, seed=1)), saved)
     for (label, state, slot, _), (_, back, _, _) in zip(
         nb.fp8_tensors(model), nb.fp8_tensors(resumed), strict=True
@@ -368,7 +371,7 @@ def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(
     rows = paste_and_train(copy_cells(), tmp_path, monkeypatch)
     assert READER_TE in " ".join(markdown_cell("## 6. The model").split())
     printed = capsys.readouterr().out
-    assert len(rows) == 3 * (4 * 2 + 1)  # 3 roles x (4 GEMMs a layer x 2 layers + the head)
+    assert len(rows) == 3 * 4 * 2  # 3 roles x 4 GEMMs a layer x 2 layers (the head is not FP8)
     for row in rows:  # every FP8 tensor printed with its amaxes and its scale
         assert 0 < row["amax"] <= row["window_max"] and row["scale"] > 0
         line = next(line for line in printed.splitlines() if line.startswith(row["tensor"] + " "))

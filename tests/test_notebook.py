@@ -189,9 +189,10 @@ def test_the_whole_notebook_does_not_grow():
     after its third (10.7: the cell to copy, the bitwise check, the resume without the state);
     1,524 once one-use helpers went inline (the FP8 shape rule, 8.1's range used) and one-use
     temporaries went (10.4, 10.8, 10.10, the summary); 1,515, its target, once 10.7's experiment
-    built, loaded and trained in one helper and a few constants went to default arguments. It
-    must not grow."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1515
+    built, loaded and trained in one helper and a few constants went to default arguments. Issue
+    47 allows 30 more (1,545) for the LM head out of FP8 and its measurement over seeds (10.2).
+    It must not grow."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1545
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
@@ -395,7 +396,9 @@ def test_the_stated_run_time_is_the_saved_runs_own():
     ]
     assert stated_run_seconds(source(nb["cells"][0])) == int(took)
     assert stated_run_seconds(README.read_text()) == int(took)
-    assert int(took) <= 50  # a CPU Run all in at most 50 s
+    # a CPU Run all in at most 70 s: 46 s before issue 47, whose measurement of the head out of
+    # FP8 (3 seeds, 2 settings, 30 FP8 steps each: 12-14 s on the reference) 50 s could not hold
+    assert int(took) <= 70
 
 
 def test_the_first_screen_says_what_colab_collapses_and_where_the_lesson_starts():

@@ -115,14 +115,14 @@ def test_tes_pickle_screen_reads_the_stand_ins_fp8_state_as_delayed_scaling_stat
 
     with nb.using(nb.standin):
         model = nb.CausalLM(cfg, CPU)
+    proj = model.layers[0].self_attention.proj  # a te.Linear's twin
     assert (
-        should_load_extra_state_pickle(model.head.get_extra_state().numpy().tobytes(), "Linear")
-        is False
+        should_load_extra_state_pickle(proj.get_extra_state().numpy().tobytes(), "Linear") is False
     )
     tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))[:, :-1]
-    with nb.reference_autocast(recipe=nb.ReferenceRecipe()):
+    with nb.using(nb.standin), nb.reference_autocast(recipe=nb.ReferenceRecipe()):
         model(tokens).sum().backward()
-    payload = model.head.get_extra_state().numpy().tobytes()
+    payload = proj.get_extra_state().numpy().tobytes()
     monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
     with pytest.raises(RuntimeError, match="NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1"):
         should_load_extra_state_pickle(payload, "Linear")
@@ -152,13 +152,13 @@ def test_tes_set_extra_state_refuses_a_pickled_fp8_state_without_the_variable(nb
     with nb.using(nb.standin):
         model = nb.CausalLM(cfg, CPU)
     tokens = nb.training_batch(cfg, torch.Generator().manual_seed(0))[:, :-1]
-    with nb.reference_autocast(recipe=nb.ReferenceRecipe()):
+    with nb.using(nb.standin), nb.reference_autocast(recipe=nb.ReferenceRecipe()):
         model(tokens).sum().backward()
     with cuda_device():
-        layer = te.Linear(cfg.d_model, nb.padded_vocab_size(cfg.vocab_size), device="cpu")
+        layer = te.Linear(cfg.d_model, cfg.d_model, device="cpu")  # the projection's shape
     monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
     with pytest.raises(RuntimeError, match="Refusing to load pickled Transformer Engine extra"):
-        layer.set_extra_state(model.head.get_extra_state())
+        layer.set_extra_state(model.layers[0].self_attention.proj.get_extra_state())
 
 
 def injected_step_passes(recipe):
@@ -394,6 +394,17 @@ def test_the_notebooks_autocasts_enter_and_exit(nb, cfg):
                 pass
     assert not quantization.FP8GlobalStateManager.is_fp8_enabled()
     nb.te.quantization.FP8GlobalStateManager.reset()  # what the benchmark calls before a TE row
+
+
+def test_tes_fp8_is_off_inside_a_nested_disabled_autocast_and_back_on_after_it():
+    """Issue 47: section 6 runs the LM head in `te.autocast(enabled=False)` inside the FP8 region:
+    inside it TE's state says FP8 is off, and after it FP8 is on again, with the same recipe."""
+    recipe, manager = te_recipes.DelayedScaling(), quantization.FP8GlobalStateManager
+    with cuda_device(), te.autocast(enabled=True, recipe=recipe):
+        with te.autocast(enabled=False):
+            assert not manager.is_fp8_enabled()
+        assert manager.is_fp8_enabled() and manager.get_fp8_recipe() is recipe
+    assert not manager.is_fp8_enabled()
 
 
 def test_the_notebook_reads_each_fp8_tensor_from_the_slot_te_gives_it(nb, cfg):
