@@ -3,7 +3,9 @@ Section 10.1's first table is choose_plan on these (test_plan.py); the TE stage 
 and 10.1's table of TE's other recipes, against TE's own checks on each compute capability."""
 
 TE_SAYS_BELOW_89 = "Device compute capability 8.9 or higher required for FP8 execution."
-RUNTIMES_HEADER = "| runtime | compute capability | precision | modules | why not FP8 |"
+RUNTIMES_HEADER = (
+    "| runtime | compute capability | precision | modules | TE's default recipe | why not FP8 |"
+)
 RECIPES_HEADER = "| TE's other recipe | L4 | H100 / H200 | G4 (RTX PRO 6000) |"
 
 
@@ -25,9 +27,11 @@ def example_runtimes(nb):
 
 
 def plan_rows(nb):
-    """(runtime, compute capability, precision, modules, why not FP8) of choose_plan on each."""
+    """(runtime, compute capability, precision, modules, TE's default recipe where FP8 runs,
+    why not FP8) of choose_plan on each."""
     for runtime, hw in example_runtimes(nb).items():
         plan = nb.choose_plan(hw)
         cc = "{}.{}".format(*hw.capability) if hw.capability else "—"
         modules = "TE" if plan.backend == "te" else "PyTorch"
-        yield runtime, cc, plan.precision.upper(), modules, plan.fallbacks.get("FP8", "—")
+        default = hw.te_default_recipe if plan.precision == "fp8" else "—"
+        yield runtime, cc, plan.precision.upper(), modules, default, plan.fallbacks.get("FP8", "—")

@@ -40,10 +40,10 @@ def test_the_runtime_tables_of_10_1_and_the_readme_are_choose_plan_on_each_runti
     notebook = markdown_table(RUNTIMES_HEADER, markdown_cell("### 10.1 "))
     assert notebook == markdown_table(RUNTIMES_HEADER, README.read_text())
     computed = list(plan_rows(nb))
-    assert [row[:4] for row in notebook] == [row[:4] for row in computed]
+    assert [row[:5] for row in notebook] == [row[:5] for row in computed]
     for row, (*_, why_not) in zip(notebook, computed, strict=True):  # its words, and a note
-        assert row[4] == why_not or row[4].startswith(why_not + " ("), row
-    assert TE_SAYS_BELOW_89 in {row[0]: row[4] for row in notebook}["A100"]
+        assert row[5] == why_not or row[5].startswith(why_not + " ("), row
+    assert TE_SAYS_BELOW_89 in {row[0]: row[5] for row in notebook}["A100"]
 
 
 def test_the_recipe_tables_of_10_1_and_the_readme_agree_and_name_every_recipe(nb):

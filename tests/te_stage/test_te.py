@@ -12,7 +12,7 @@ import transformer_engine.common.recipe as te_recipes
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
 from conftest import cuda_device
-from example_runtimes import RECIPES_HEADER, example_runtimes, tes_check
+from example_runtimes import RECIPES_HEADER, RUNTIMES_HEADER, example_runtimes, tes_check
 from notebook_source import markdown_cell, markdown_table, notebook_cells, write_cell_file
 from transformer_engine.pytorch import quantization
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
@@ -200,8 +200,10 @@ def test_tes_own_checks_give_the_facts_behind_10_1s_runtime_table(
     plan, example = nb.choose_plan(hw), example_runtimes(nb)[runtime]
     assert (plan.precision, plan.backend) == (precision, nb.choose_plan(example).backend)
     assert hw.fp8_error == example.fp8_error  # TE's own words for the A100
-    if precision == "fp8":  # what te.get_default_recipe() picks on this GPU
+    if precision == "fp8":  # what te.get_default_recipe() picks on this GPU: 10.1's column
         assert hw.te_default_recipe == example.te_default_recipe
+        table = markdown_table(RUNTIMES_HEADER, markdown_cell("### 10.1 "))
+        assert {row[0]: row[4] for row in table}[runtime] == hw.te_default_recipe
 
 
 @pytest.mark.parametrize("cuda", ["12.8", "13.0"])
@@ -301,6 +303,9 @@ def test_a_gpu_below_8_0_gets_no_te_and_trains_in_fp16_on_pytorch(nb):
 def test_blackwell_datacenter_gpus_get_fp8_and_tes_default_there_is_mxfp8(nb):
     hw = detect(nb, (10, 0), "13.0")
     assert nb.choose_plan(hw).precision == "fp8" and hw.te_default_recipe == "MXFP8BlockScaling"
+    assert "(on a B200, 10.0, not a Colab runtime: MXFP8BlockScaling)" in " ".join(
+        markdown_cell("### 10.1 ").split()
+    )
     assert set(other_recipes(nb, (10, 0), "13.0").values()) == {None}  # every check passes
 
 
