@@ -401,6 +401,17 @@ def test_the_notebooks_autocasts_enter_and_exit(nb, cfg):
     nb.te.quantization.FP8GlobalStateManager.reset()  # what the benchmark calls before a TE row
 
 
+def test_10_1_quotes_tes_own_refusal_of_delayed_scaling_under_torch_compile():
+    """Issue 47: TE's check_recipe_support raises these words for DelayedScaling while
+    torch.compile traces (TE PR #2759). Not run: tracing on a CPU with a pretended GPU touches
+    CUDA (Dynamo asks for the current device), so this reads TE's source, and 10.1 quotes it."""
+    words = "DelayedScaling is not supported under torch.compile. Please use other recipes instead."
+    source = " ".join(inspect.getsource(quantization.check_recipe_support).split())
+    assert "if torch.compiler.is_compiling() and isinstance(recipe, DelayedScaling):" in source
+    assert f'raise RuntimeError( "{words}" )' in source
+    assert f'"{words}"' in " ".join(markdown_cell("### 10.1 ").split())
+
+
 def test_tes_fp8_is_off_inside_a_nested_disabled_autocast_and_back_on_after_it():
     """Issue 47: section 6 runs the LM head in `te.autocast(enabled=False)` inside the FP8 region:
     inside it TE's state says FP8 is off, and after it FP8 is on again, with the same recipe."""
