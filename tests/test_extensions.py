@@ -134,7 +134,7 @@ def test_the_whole_step_gains_less_than_its_linear_layers_either_way(nb, cfg, gp
 def test_the_estimate_at_2048_x_12_on_an_h100_is_the_issues_roofline(nb, cfg):
     """Issue 45's numbers, from a roofline of the reviewer's own (and recomputed in review): at
     2048 x 12, 1,024 tokens, the weights' casts take 1.08 ms, FP8's casts 0.48, AdamW 5.78 (64.5
-    on an L4); the linear layers gain 1.32x (1.53x at 4,096 tokens), the step 1.12x. Issue 47 took
+    on an L4); the linear layers gain 1.32x (1.53x at 4,096 tokens), the step 1.13x. Issue 47 took
     the LM head out of FP8 (its GEMM BF16 in both precisions, no cast): FP8's casts 0.481 ms."""
     big = nb.sized_config(cfg, 2048, 12)
     found = nb.step_estimate(big, 1024, "H100")

@@ -401,6 +401,26 @@ def test_the_notebooks_autocasts_enter_and_exit(nb, cfg):
     nb.te.quantization.FP8GlobalStateManager.reset()  # what the benchmark calls before a TE row
 
 
+def test_the_notebooks_forward_calls_its_head_with_tes_fp8_off_and_turns_it_back_on(nb, cfg):
+    """Issue 47: section 6's forward, TE as `te`, inside an FP8 te.autocast: the head is called
+    where TE's state says FP8 is off, and FP8 is on again after it. TE's modules cannot run a
+    forward on a CPU, so the model has no layers and its final norm and head are recorders."""
+    manager, seen = quantization.FP8GlobalStateManager, []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x):
+            seen.append(manager.is_fp8_enabled())
+            return x
+
+    with cuda_device(), nb.using(te):
+        model = nb.CausalLM(dataclasses.replace(cfg, n_layers=0), CPU)
+        model.final_norm, model.head = torch.nn.Identity(), Recorder()
+        with te.autocast(enabled=True, recipe=te_recipes.DelayedScaling()):
+            model(torch.zeros(2, 8, dtype=torch.long))
+            assert manager.is_fp8_enabled()
+    assert seen == [False]
+
+
 def test_10_1_quotes_tes_own_refusal_of_delayed_scaling_under_torch_compile():
     """Issue 47: TE's check_recipe_support raises these words for DelayedScaling while
     torch.compile traces (TE PR #2759). Not run: tracing on a CPU with a pretended GPU touches
@@ -410,6 +430,15 @@ def test_10_1_quotes_tes_own_refusal_of_delayed_scaling_under_torch_compile():
     assert "if torch.compiler.is_compiling() and isinstance(recipe, DelayedScaling):" in source
     assert f'raise RuntimeError( "{words}" )' in source
     assert f'"{words}"' in " ".join(markdown_cell("### 10.1 ").split())
+    # and a te.autocast without a recipe, section 6's nested one, builds TE's default recipe,
+    # which TE asserts is never built while compiling: 10.1 says to give it a recipe there
+    enter = " ".join(inspect.getsource(quantization.FP8GlobalStateManager.autocast_enter).split())
+    default = " ".join(inspect.getsource(quantization.get_default_fp8_recipe).split())
+    assert "fp8_recipe = get_default_fp8_recipe() if fp8_recipe is None else fp8_recipe" in enter
+    assert "assert not torch.compiler.is_compiling()" in default
+    assert "give a nested `te.autocast(enabled=False)`" in " ".join(
+        markdown_cell("### 10.1 ").split()
+    )
 
 
 def test_tes_fp8_is_off_inside_a_nested_disabled_autocast_and_back_on_after_it():
