@@ -135,9 +135,9 @@ def test_the_reference_linear_beats_20_db_forward_and_backward(nb, fmt):
         assert nb.sqnr_db(high, low) > 20, name
 
 
-def tiny_model(nb, cfg):
+def tiny_model(nb, cfg, fp8_head=False):
     torch.manual_seed(0)
-    return nb.CausalLM(dataclasses.replace(cfg, n_layers=1), CPU)
+    return nb.CausalLM(dataclasses.replace(cfg, n_layers=1), CPU, fp8_head=fp8_head)
 
 
 def fp8_step(nb, cfg, model, grad=True, recipe=None):
@@ -287,8 +287,7 @@ def test_snapshots_group_each_fp8_tensors_amax_scale_and_shares_by_role(nb, cfg)
 
 
 def test_the_lm_head_in_fp8_beats_20_db_against_fp32_after_calibration(nb, cfg):
-    torch.manual_seed(0)
-    model = nb.CausalLM(dataclasses.replace(cfg, n_layers=1), CPU, fp8_head=True)
+    model = tiny_model(nb, cfg, fp8_head=True)
     fp8_step(nb, cfg, model)  # the head's scales from its first amaxes
     batch = nb.training_batch(cfg, torch.Generator().manual_seed(3))
     result = nb.head_sqnr(model, batch, nb.ReferenceRecipe(amax_history_len=16))
@@ -300,8 +299,7 @@ def test_the_lm_head_runs_outside_fp8_unless_built_in_it(nb, cfg):
     section 8.1); fp8_head=True casts it as every other linear layer."""
     rows = {}
     for fp8_head in (False, True):
-        torch.manual_seed(0)
-        model = nb.CausalLM(dataclasses.replace(cfg, n_layers=1), CPU, fp8_head=fp8_head)
+        model = tiny_model(nb, cfg, fp8_head)
         fp8_step(nb, cfg, model)
         rows[fp8_head] = [label for label, *_ in nb.fp8_tensors(model) if label.startswith("head")]
         assert ("recipe" in model.head.fp8_meta) is fp8_head
