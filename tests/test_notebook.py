@@ -191,8 +191,9 @@ def test_the_whole_notebook_does_not_grow():
     temporaries went (10.4, 10.8, 10.10, the summary); 1,515, its target, once 10.7's experiment
     built, loaded and trained in one helper and a few constants went to default arguments. Issue
     47 allows 30 more (1,545) for the LM head out of FP8 and its measurement over seeds (10.2).
-    It must not grow."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1545
+    Issue 48 allows 60 more (1,604) for TE's precision debug tools, the reference's statistics
+    under TE's names, and the layer-by-layer search (10.11). It must not grow."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1604
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():

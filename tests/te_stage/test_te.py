@@ -4,6 +4,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import re
 from unittest import mock
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import transformer_engine.common.recipe as te_recipes
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
+import yaml
 from conftest import cuda_device
 from example_runtimes import RECIPES_HEADER, RUNTIMES_HEADER, example_runtimes, tes_check
 from notebook_source import markdown_cell, markdown_table, notebook_cells, write_cell_file
@@ -679,3 +681,76 @@ def test_block_scaling_wants_multiples_of_128_as_the_notebook_pads_for():
     assert not quantizer.is_quantizable(torch.empty(256, 112))  # a vocabulary padded to 16 only
     for name, multiple in (("MXFP8BlockScaling", 32), ("NVFP4BlockScaling", 128)):
         assert quantization.get_align_size_for_quantization(getattr(te_recipes, name)()) == multiple
+
+
+def check_statistics_with_tes_own_checks(config_yaml):
+    """Each statistic the config asks for, through TE's own checks of its debug features:
+    LogFp8TensorStats raises ValueError on a name it does not support; LogTensorStats says no."""
+    from transformer_engine.debug.features.log_fp8_tensor_stats import LogFp8TensorStats
+    from transformer_engine.debug.features.log_tensor_stats import LogTensorStats
+
+    for section in yaml.safe_load(config_yaml).values():
+        features = section["transformer_engine"]
+        for stat in features["LogFp8TensorStats"]["stats"]:  # trained with DelayedScaling
+            assert LogFp8TensorStats().check_if_stat_is_supported(stat, "fp8_delayed_scaling", True)
+        for stat in features["LogTensorStats"]["stats"]:
+            assert LogTensorStats()._is_supported_stat(stat), f"LogTensorStats has no {stat}"
+
+
+def test_tes_debug_tools_take_the_notebooks_config_and_each_of_its_statistics(nb, tmp_path):
+    with nb.te_debug(nb.FP8_HEALTH_YAML, str(tmp_path)) as debug_api:
+        assert debug_api.DEBUG_MANAGER is not None
+    check_statistics_with_tes_own_checks(nb.FP8_HEALTH_YAML)
+    assert debug_api.DEBUG_MANAGER is None  # ended: the next models are built without the tools
+
+
+@pytest.mark.parametrize(
+    "right, wrong, error",
+    [
+        ("LogFp8TensorStats:", "LogFp8TensorStat:", AssertionError),  # at initialize, TE's words
+        ("underflows%,", "underflow%,", ValueError),  # TE's check of each statistic
+        ("cur_amax", "curamax", AssertionError),
+    ],
+)
+def test_a_misspelt_feature_or_statistic_fails_here(nb, tmp_path, right, wrong, error):
+    config = nb.FP8_HEALTH_YAML.replace(right, wrong, 1)
+    assert config != nb.FP8_HEALTH_YAML
+    with pytest.raises(error):
+        with nb.te_debug(config, str(tmp_path)):
+            pass
+        check_statistics_with_tes_own_checks(config)
+
+
+def test_the_configs_layers_are_every_fp8_gemm_of_the_model_by_the_names_te_gives_them(
+    nb, cfg, tmp_path
+):
+    """Built inside te_debug (after a model built without it, which TE would otherwise refuse),
+    the model's TE modules carry the names 10.11 cites; the config's pattern picks all but the
+    head (outside FP8). TE logs a LayerNormMLP's two GEMMs as <name>.fc1 and <name>.fc2."""
+    with cuda_device():
+        nb.CausalLM(cfg, CPU)
+        with nb.te_debug(nb.FP8_HEALTH_YAML, str(tmp_path)):
+            model = nb.CausalLM(cfg, CPU)
+    gemm_types = (te.Linear, te.LayerNormLinear, te.LayerNormMLP)
+    names = [m.name for m in model.modules() if isinstance(m, gemm_types)]
+    pattern = re.search(r"layer_name_regex_pattern: '(.+?)'", nb.FP8_HEALTH_YAML).group(1)
+    picked = [name for name in names if re.search(pattern, name)]
+    expected = ("self_attention.layernorm_linear_qkv", "self_attention.proj", "layernorm_mlp")
+    assert picked == [f"layers.{i}.{m}" for i in range(cfg.n_layers) for m in expected]
+    assert len(names) == len(picked) + 1 and model.head.name not in picked
+    markdown = markdown_cell("### 10.11")
+    assert all(name in markdown for name in ("layers.0.self_attention.layernorm_linear_qkv",))
+
+
+def test_the_notebook_reads_the_statistics_log_tes_tools_write(nb, tmp_path):
+    """A line written by nvdlfw_inspect's own logger, as TE's stats buffer calls it."""
+    from nvdlfw_inspect.logging import MetricLogger
+
+    layer = "layers.0.self_attention.layernorm_linear_qkv"
+    with nb.te_debug(nb.FP8_HEALTH_YAML, str(tmp_path)):
+        MetricLogger.log_scalar(f"{layer}_activation_underflows%", torch.tensor(0.0123), 3)
+        MetricLogger.log_scalar(f"{layer}_gradient_fp8_current_scaling_underflows%", 2.5, 4)
+    assert nb.read_stats_log(str(tmp_path)) == {
+        (layer, "activation", "underflows%"): {3: 0.0123},
+        (layer, "gradient", "fp8_current_scaling_underflows%"): {4: 2.5},
+    }
