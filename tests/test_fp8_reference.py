@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import yaml
 
 CPU = torch.device("cpu")
 F32_MAX = torch.finfo(torch.float32).max
@@ -97,9 +98,34 @@ def test_hybrid_is_e4m3_forward_and_e5m2_for_gradients(nb):
 def test_a_reference_cast_folds_its_amax_into_row_0_and_records_what_it_lost(nb):
     s, fp8 = state(nb), nb.ReferenceFP8(nb.ReferenceRecipe())
     s.amax_history[0, 0] = 2000.0  # a larger amax from an earlier cast in this step
-    fp8.cast(torch.tensor([1000.0, -500.0, 3.0, 1e-4]), s, 0, "forward")
+    x = torch.tensor([1000.0, -500.0, 3.0, 1e-4])
+    fp8.cast(x, s, 0, "forward")
+    assert s.stats[:2, 0].tolist() == [50.0, 25.0] and s.stats[2:, 0].isnan().all()  # two only
+    token = nb.ALL_STATS.set(True)  # all of them, as 10.11's run takes them
+    try:
+        fp8.cast(x, s, 0, "forward")
+    finally:
+        nb.ALL_STATS.reset(token)
     assert s.amax_history[0, 0] == 2000.0 and s.amax_history[1:].abs().sum() == 0
-    assert s.shares[:, 0].tolist() == [0.5, 0.25]  # saturated, flushed
+    stats = dict(zip(nb.REFERENCE_STATS, s.stats[:, 0].tolist(), strict=True))
+    assert stats["overflows%"] == 50.0 and stats["underflows%"] == 25.0  # saturated; 1e-4 flushed
+    assert stats["scale_inv"] == 1.0 and stats["cur_amax"] == 1000.0  # the scale used; amax(x)
+    assert stats["mse"] == pytest.approx(((1000 - 448) ** 2 + (500 - 448) ** 2) / 4)
+    assert stats["dynamic_range"] == pytest.approx(math.log2(1000 / 1e-4))
+    assert stats["fp8_current_scaling_underflows%"] == 25.0  # scale 448 / 1000: 1e-4 still flushes
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
+def test_the_reference_counts_flushed_values_as_te_does_non_zeros_that_cast_to_zero(nb, fmt):
+    """TE's underflows% (stats_computation.py): count_nonzero(x) - count_nonzero(its FP8 cast)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.exp(4 * torch.randn(4096, generator=g))
+    x[::7] = 0.0  # zeros stay zeros: not flushed
+    for scale in (1.0, 448 / x.abs().max().item(), 1e-3, 3.7):
+        scale = torch.tensor(scale)
+        x_fp8 = nb.quantize(x, scale, fmt)[0]
+        te_count = (x.count_nonzero() - x_fp8.float().count_nonzero()) * 100 / x.numel()
+        assert nb.cast_stats(x, x_fp8, scale, fmt)[1] == te_count
 
 
 def test_fp8_matmul_on_a_cpu_computes_what_scaled_mm_computes_on_the_fp8_operands(nb):
@@ -274,14 +300,14 @@ def test_the_state_table_reads_newest_amax_window_max_and_scale(nb, cfg):
     assert row["scale"] == s.scale[slot].item()
 
 
-def test_snapshots_group_each_fp8_tensors_amax_scale_and_shares_by_role(nb, cfg):
+def test_snapshots_group_each_fp8_tensors_amax_scale_and_statistics_by_role(nb, cfg):
     model, snapshots = tiny_model(nb, cfg), []
     for _ in range(3):
         fp8_step(nb, cfg, model)
         snapshots.append(nb.fp8_snapshot(model))
     series = nb.by_role(snapshots, model)
     assert set(series) == {"input", "weight", "grad_output"}
-    assert set(series["grad_output"]) == {"amax", "scale", "saturated", "flushed"}
+    assert tuple(series["grad_output"]) == ("amax", "scale", *nb.REFERENCE_STATS)
     assert series["weight"]["amax"].shape == (3, 4)  # steps, the weights of 4 GEMMs (no head)
     assert (series["input"]["amax"] > 0).all()
 
@@ -304,3 +330,29 @@ def test_the_lm_head_runs_outside_fp8_unless_built_in_it(nb, cfg):
         rows[fp8_head] = [label for label, *_ in nb.fp8_tensors(model) if label.startswith("head")]
         assert ("recipe" in model.head.fp8_meta) is fp8_head
     assert rows == {False: [], True: [f"head.gemm/{r}" for r in nb.ROLES]}
+
+
+def test_the_parser_reads_back_the_reference_statistics_written_in_tes_log_format(nb, cfg):
+    """10.11 on a CPU: the reference's statistics of each step, written under TE's names in TE's
+    format, then read by the parser that reads TE's own logs (the TE stage feeds it TE's lines)."""
+    model, snapshots, token = tiny_model(nb, cfg), [], nb.ALL_STATS.set(True)
+    try:
+        for _ in range(3):
+            fp8_step(nb, cfg, model)
+            snapshots.append(nb.fp8_snapshot(model))
+    finally:
+        nb.ALL_STATS.reset(token)
+    stats = nb.read_stats_log(nb.write_reference_stats(snapshots, model, nb.FP8_HEALTH_YAML))
+    features = yaml.safe_load(nb.FP8_HEALTH_YAML)["fp8_health"]["transformer_engine"].values()
+    asked = [stat for feature in features for stat in feature["stats"]]
+    labels = [label for label, *_ in nb.fp8_tensors(model)]
+    assert len(stats) == len(labels) * len(asked) == 12 * 8  # 4 GEMMs x 3 tensors; 8 statistics
+    for column, label in enumerate(labels):
+        layer, tensor = nb.te_debug_name(label).rsplit("_", 1)
+        for stat in asked:
+            row = 2 + nb.REFERENCE_STATS.index(stat.removesuffix("_min").removesuffix("_max"))
+            written = {i: float(f"{s[row, column].item():.4f}") for i, s in enumerate(snapshots)}
+            assert stats[layer, tensor, stat] == written, (label, stat)
+    assert ("layers.0.self_attention.layernorm_linear_qkv", "activation", "mse") in stats
+    assert ("layers.0.layernorm_mlp.fc2", "gradient", "underflows%") in stats
+    assert all(v > 0 for (_, _, stat), d in stats.items() if stat == "cur_amax" for v in d.values())

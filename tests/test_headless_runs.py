@@ -82,6 +82,14 @@ def test_headless_head_out_of_fp8_gets_its_weight_gradient_closer_to_fp32_on_eve
     assert max(everywhere["weight_grad_db"]) < min(but_head["weight_grad_db"])
 
 
+def test_headless_10_11_logs_tes_statistics_from_the_reference_and_takes_each_layer_out(headless):
+    health, layers = (headless[0]["experiments"][k] for k in ("fp8_health", "layer_by_layer"))
+    assert health["source"] == "reference" and len(health["means"]) == 3 * 8  # tensors, stats
+    assert health["means"]["gradient_underflows%"] > 0  # gradients span decades: some flush
+    settings = ["FP8 everywhere", "layers.0 out", "layers.1 out", "no layer in FP8"]
+    assert list(layers)[2:] == settings and layers["FP8 everywhere"] == [0.0] * 8  # its own base
+
+
 def test_headless_run_records_every_experiment(headless):
     experiments = headless[0]["experiments"]
     ran = {
@@ -92,7 +100,7 @@ def test_headless_run_records_every_experiment(headless):
         "two_ranks",
         "checkpoint_resume",
     }
-    ran |= {"recipes_on_real_tensors", "fp8_estimate"}
+    ran |= {"recipes_on_real_tensors", "fp8_estimate", "fp8_health", "layer_by_layer"}
     needs_gpu = {"te_vs_standin", "fp8_weights"}
     needs_gpu |= {"te_quantizers_vs_references", "benchmark", "data_parallel_script"}
     assert set(experiments) == ran | needs_gpu
@@ -120,7 +128,7 @@ def test_headless_recipe_table_covers_every_recipe_and_role(headless):
 
 def test_headless_e4m3_gradients_flush_more_than_hybrids(headless):
     formats = headless[0]["experiments"]["e4m3_vs_hybrid"]
-    assert formats["E4M3"]["grad_flushed_pct"] > formats["HYBRID"]["grad_flushed_pct"]
+    assert formats["E4M3"]["grad_underflows%"] > formats["HYBRID"]["grad_underflows%"]
 
 
 def test_headless_run_times_nothing_on_a_cpu_and_says_why(headless):

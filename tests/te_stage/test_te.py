@@ -698,10 +698,12 @@ def check_statistics_with_tes_own_checks(config_yaml):
 
 
 def test_tes_debug_tools_take_the_notebooks_config_and_each_of_its_statistics(nb, tmp_path):
-    with nb.te_debug(nb.FP8_HEALTH_YAML, str(tmp_path)) as debug_api:
+    with nb.te_debug(nb.FP8_HEALTH_YAML) as (debug_api, _):
         assert debug_api.DEBUG_MANAGER is not None
     check_statistics_with_tes_own_checks(nb.FP8_HEALTH_YAML)
     assert debug_api.DEBUG_MANAGER is None  # ended: the next models are built without the tools
+    with nb.te_debug(nb.OUT_OF_FP8_YAML.format("^layers[.]0[.]")) as (debug_api, _):
+        assert debug_api.DEBUG_MANAGER is not None  # 10.11's DisableQuantizationLayer, taken
 
 
 @pytest.mark.parametrize(
@@ -716,7 +718,7 @@ def test_a_misspelt_feature_or_statistic_fails_here(nb, tmp_path, right, wrong, 
     config = nb.FP8_HEALTH_YAML.replace(right, wrong, 1)
     assert config != nb.FP8_HEALTH_YAML
     with pytest.raises(error):
-        with nb.te_debug(config, str(tmp_path)):
+        with nb.te_debug(config):
             pass
         check_statistics_with_tes_own_checks(config)
 
@@ -729,8 +731,10 @@ def test_the_configs_layers_are_every_fp8_gemm_of_the_model_by_the_names_te_give
     head (outside FP8). TE logs a LayerNormMLP's two GEMMs as <name>.fc1 and <name>.fc2."""
     with cuda_device():
         nb.CausalLM(cfg, CPU)
-        with nb.te_debug(nb.FP8_HEALTH_YAML, str(tmp_path)):
+        with nb.te_debug(nb.FP8_HEALTH_YAML):
             model = nb.CausalLM(cfg, CPU)
+    with nb.using(nb.standin):
+        twin = nb.CausalLM(cfg, CPU)
     gemm_types = (te.Linear, te.LayerNormLinear, te.LayerNormMLP)
     names = [m.name for m in model.modules() if isinstance(m, gemm_types)]
     pattern = re.search(r"layer_name_regex_pattern: '(.+?)'", nb.FP8_HEALTH_YAML).group(1)
@@ -738,8 +742,9 @@ def test_the_configs_layers_are_every_fp8_gemm_of_the_model_by_the_names_te_give
     expected = ("self_attention.layernorm_linear_qkv", "self_attention.proj", "layernorm_mlp")
     assert picked == [f"layers.{i}.{m}" for i in range(cfg.n_layers) for m in expected]
     assert len(names) == len(picked) + 1 and model.head.name not in picked
-    markdown = markdown_cell("### 10.11")
-    assert all(name in markdown for name in ("layers.0.self_attention.layernorm_linear_qkv",))
+    assert "`layers.0.self_attention.layernorm_linear_qkv`" in markdown_cell("### 10.11")
+    twins = [path for path, m in twin.named_modules() if hasattr(m, "fp8_meta") and path != "head"]
+    assert [nb.te_debug_name(path) for path in twins] == picked  # the reference logs as TE names
 
 
 def test_the_notebook_reads_the_statistics_log_tes_tools_write(nb, tmp_path):
@@ -747,10 +752,10 @@ def test_the_notebook_reads_the_statistics_log_tes_tools_write(nb, tmp_path):
     from nvdlfw_inspect.logging import MetricLogger
 
     layer = "layers.0.self_attention.layernorm_linear_qkv"
-    with nb.te_debug(nb.FP8_HEALTH_YAML, str(tmp_path)):
+    with nb.te_debug(nb.FP8_HEALTH_YAML) as (_, log_dir):
         MetricLogger.log_scalar(f"{layer}_activation_underflows%", torch.tensor(0.0123), 3)
         MetricLogger.log_scalar(f"{layer}_gradient_fp8_current_scaling_underflows%", 2.5, 4)
-    assert nb.read_stats_log(str(tmp_path)) == {
+    assert nb.read_stats_log(log_dir) == {
         (layer, "activation", "underflows%"): {3: 0.0123},
         (layer, "gradient", "fp8_current_scaling_underflows%"): {4: 2.5},
     }
