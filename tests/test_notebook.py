@@ -12,6 +12,7 @@ from notebook_source import (
     README,
     REPO,
     code_sha256,
+    markdown_cell,
     notebook_cells,
     outputs_text,
     source,
@@ -425,3 +426,8 @@ def test_the_first_screen_says_what_colab_collapses_and_where_the_lesson_starts(
     ((number, title),) = re.findall(r'The lesson starts at section (\d+), "([^"]+)"', first)
     headings = [source(c).splitlines()[0] for c in notebook_cells() if c["cell_type"] == "markdown"]
     assert f"## {number}. {title}" in headings
+
+
+def test_section_8_says_fp8_meta_is_tes_internal_state_and_points_to_its_debug_tools():
+    text = " ".join(markdown_cell("## 8. Inside FP8 training").split())
+    assert "TE's internal state, not an API" in text and "TE's debug tools (10.11)" in text
