@@ -466,3 +466,9 @@ def test_10_11s_readings_are_the_saved_runs_own():
     )
     assert "inside the spread" not in first and f"closes {first.split()[-1]} of the gap" in text
     assert "inside the spread" in second and int(first.split()[-1].rstrip("%")) >= 50
+    base, whole = (
+        next(line.split() for line in printed.splitlines() if line.startswith(setting))
+        for setting in ("FP8 everywhere", "no layer in FP8")
+    )
+    base, whole = float(base[2]), float(whole[7])  # its loss; the whole gap's mean change
+    assert "The whole gap is under 1% of the loss" in text and abs(whole) < 0.01 * base
