@@ -697,7 +697,7 @@ def check_statistics_with_tes_own_checks(config_yaml):
             assert LogTensorStats()._is_supported_stat(stat), f"LogTensorStats has no {stat}"
 
 
-def test_tes_debug_tools_take_the_notebooks_config_and_each_of_its_statistics(nb, tmp_path):
+def test_tes_debug_tools_take_the_notebooks_config_and_each_of_its_statistics(nb):
     with nb.te_debug(nb.FP8_HEALTH_YAML) as (debug_api, _):
         assert debug_api.DEBUG_MANAGER is not None
     check_statistics_with_tes_own_checks(nb.FP8_HEALTH_YAML)
@@ -714,7 +714,7 @@ def test_tes_debug_tools_take_the_notebooks_config_and_each_of_its_statistics(nb
         ("cur_amax", "curamax", AssertionError),
     ],
 )
-def test_a_misspelt_feature_or_statistic_fails_here(nb, tmp_path, right, wrong, error):
+def test_a_misspelt_feature_or_statistic_fails_here(nb, right, wrong, error):
     config = nb.FP8_HEALTH_YAML.replace(right, wrong, 1)
     assert config != nb.FP8_HEALTH_YAML
     with pytest.raises(error):
@@ -723,9 +723,7 @@ def test_a_misspelt_feature_or_statistic_fails_here(nb, tmp_path, right, wrong, 
         check_statistics_with_tes_own_checks(config)
 
 
-def test_the_configs_layers_are_every_fp8_gemm_of_the_model_by_the_names_te_gives_them(
-    nb, cfg, tmp_path
-):
+def test_the_configs_layers_are_every_fp8_gemm_of_the_model_by_the_names_te_gives_them(nb, cfg):
     """Built inside te_debug (after a model built without it, which TE would otherwise refuse),
     the model's TE modules carry the names 10.11 cites; the config's pattern picks all but the
     head (outside FP8). TE logs a LayerNormMLP's two GEMMs as <name>.fc1 and <name>.fc2."""
@@ -747,7 +745,7 @@ def test_the_configs_layers_are_every_fp8_gemm_of_the_model_by_the_names_te_give
     assert [nb.te_debug_name(path) for path in twins] == picked  # the reference logs as TE names
 
 
-def test_the_notebook_reads_the_statistics_log_tes_tools_write(nb, tmp_path):
+def test_the_notebook_reads_the_statistics_log_tes_tools_write(nb):
     """A line written by nvdlfw_inspect's own logger, as TE's stats buffer calls it."""
     from nvdlfw_inspect.logging import MetricLogger
 
