@@ -17,13 +17,19 @@ def script(tmp_path_factory):
     return write_cell_file("fp8_ddp.py", tmp_path_factory.mktemp("ddp"))
 
 
+SETTINGS = ("--amax-reduction", "--no-amax-reduction")
+
+
 @pytest.fixture(scope="module")
-def reduced(nb, cfg, script):
-    """The script under torchrun on two CPU ranks, with TE's amax reduction: what each printed."""
-    return nb.run_data_parallel(cfg, 2, 3, "--cpu", script=script)
+def runs(nb, cfg, script):
+    """The script under torchrun on two CPU ranks, with TE's amax reduction and without, in one
+    launch as the notebook's check runs it: what each rank printed, by setting."""
+    printed = nb.run_data_parallel(cfg, 2, 3, "--cpu", *SETTINGS, script=script)
+    return {setting: [run for run in printed if run["run"] == setting] for setting in SETTINGS}
 
 
-def test_two_ranks_with_tes_reduction_hold_identical_fp8_state_and_weights_at_every_step(reduced):
+def test_two_ranks_with_tes_reduction_hold_identical_fp8_state_and_weights_at_every_step(runs):
+    reduced = runs["--amax-reduction"]
     assert [(run["rank"], run["on"], run["same"]) for run in reduced] == [
         (0, "cpu", [[True, True]] * 3),
         (1, "cpu", [[True, True]] * 3),
@@ -31,11 +37,19 @@ def test_two_ranks_with_tes_reduction_hold_identical_fp8_state_and_weights_at_ev
     assert reduced[0]["losses"] != reduced[1]["losses"]  # each rank trained on its own half
 
 
-def test_without_the_reduction_the_ranks_scales_differ_but_ddp_keeps_the_weights_equal(
-    nb, cfg, script
-):
-    unreduced = nb.run_data_parallel(cfg, 2, 2, "--cpu", "--no-amax-reduction", script=script)
-    assert [run["same"] for run in unreduced] == [[[False, True]] * 2] * 2
+def test_without_the_reduction_the_ranks_scales_differ_but_ddp_keeps_the_weights_equal(runs):
+    assert [run["same"] for run in runs["--no-amax-reduction"]] == [[[False, True]] * 3] * 2
+
+
+def test_each_setting_starts_from_the_same_weights_and_batches(runs):
+    """The first step's loss comes before any scale differs: the same in both settings."""
+    first = {s: [run["losses"][0] for run in by_rank] for s, by_rank in runs.items()}
+    assert first["--amax-reduction"] == first["--no-amax-reduction"]
+
+
+def test_with_no_setting_named_the_script_trains_once_with_tes_reduction(nb, cfg, script):
+    (run,) = nb.run_data_parallel(cfg, 1, 1, "--cpu", script=script)
+    assert run["run"] == "--amax-reduction" and len(run["same"]) == 1
 
 
 @pytest.mark.parametrize("batch_size", [3, 1])
@@ -47,7 +61,8 @@ def test_a_batch_the_ranks_do_not_divide_is_refused_naming_batch_size(nb, cfg, s
         nb.run_data_parallel(small, 2, 1, "--cpu", script=script)
 
 
-def test_the_ranks_first_loss_is_one_processs_loss_on_its_half_of_the_batch(nb, cfg, reduced):
+def test_the_ranks_first_loss_is_one_processs_loss_on_its_half_of_the_batch(nb, cfg, runs):
+    reduced = runs["--amax-reduction"]
     torch.manual_seed(cfg.seed)
     single = nb.CausalLM(cfg, torch.device("cpu"))
     batch = nb.training_batch(cfg, torch.Generator().manual_seed(cfg.seed))

@@ -124,7 +124,7 @@ def test_the_reference_counts_flushed_values_as_te_does_non_zeros_that_cast_to_z
     for scale in (1.0, 448 / x.abs().max().item(), 1e-3, 3.7):
         scale = torch.tensor(scale)
         x_fp8 = nb.quantize(x, scale, fmt)[0]
-        te_count = (x.count_nonzero() - x_fp8.float().count_nonzero()) * 100 / x.numel()
+        te_count = (x.count_nonzero() - x_fp8.float().count_nonzero()) / x.numel() * 100
         assert nb.cast_stats(x, x_fp8, scale, fmt)[1] == te_count
 
 

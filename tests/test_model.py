@@ -75,6 +75,12 @@ def test_logits_cover_the_real_vocabulary_only(nb, cfg):
         assert model(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 50)
 
 
+@pytest.mark.parametrize("vocab, rows", [(100, 112), (96, 96), (1, 16)])
+def test_an_fp8_head_pads_the_vocabulary_up_to_a_multiple_of_16(nb, cfg, vocab, rows):
+    small = dataclasses.replace(cfg, vocab_size=vocab, n_layers=1)
+    assert nb.CausalLM(small, CPU, fp8_head=True).head.weight.shape[0] == rows
+
+
 def test_changing_a_token_changes_no_earlier_logits(nb, cfg):
     model = twin(nb, cfg)
     tokens, _ = nb.make_stride_batch(

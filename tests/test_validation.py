@@ -68,13 +68,6 @@ def test_the_defaults_are_valid_and_become_lower_case_fields(nb, defaults):
     assert (cfg.d_model, cfg.train_steps, cfg.precision) == (128, defaults["TRAIN_STEPS"], "auto")
 
 
-@pytest.mark.parametrize(
-    "vocab, multiple, padded", [(100, 16, 112), (96, 16, 96), (1, 16, 16), (100, 128, 128)]
-)
-def test_the_vocabulary_is_padded_for_fp8_gemms(nb, vocab, multiple, padded):
-    assert nb.padded_vocab_size(vocab, multiple) == padded
-
-
 def test_a_wheel_folder_that_does_not_exist_yet_is_fine_where_it_can_be_made(
     nb, defaults, tmp_path
 ):

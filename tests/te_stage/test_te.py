@@ -32,8 +32,8 @@ def te_calls():
         text = "".join(cell["source"])
         code = text.split("\n", 1)[1] if text.startswith("%%writefile ") else text
         for node in ast.walk(ast.parse(code)):
-            if not isinstance(node, ast.Call):
-                continue
+            if not isinstance(node, ast.Call) or isinstance(node.func, ast.Call):
+                continue  # f(...)(g): the inner call f(...) is walked on its own
             name = ast.unparse(node.func).removeprefix("nb.")
             if name.startswith(("te.", "te_recipes.")) or name in ("DelayedScaling", "Format"):
                 yield name, node
