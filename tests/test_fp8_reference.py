@@ -356,3 +356,15 @@ def test_the_parser_reads_back_the_reference_statistics_written_in_tes_log_forma
     assert ("layers.0.self_attention.layernorm_linear_qkv", "activation", "mse") in stats
     assert ("layers.0.layernorm_mlp.fc2", "gradient", "underflows%") in stats
     assert all(v > 0 for (_, _, stat), d in stats.items() if stat == "cur_amax" for v in d.values())
+
+
+def test_an_all_zero_tensor_flushes_nothing_under_either_scaling(nb):
+    """Current scaling's scale, fp8_max / amax, has no value at amax 0: the cast takes 1 there."""
+    x, scale, token = torch.zeros(64), torch.tensor(1.0), nb.ALL_STATS.set(True)
+    try:
+        stats = nb.cast_stats(x, nb.quantize(x, scale, "E4M3")[0], scale, "E4M3")
+    finally:
+        nb.ALL_STATS.reset(token)
+    found = dict(zip(nb.REFERENCE_STATS, stats.tolist(), strict=True))
+    assert found["underflows%"] == found["fp8_current_scaling_underflows%"] == 0.0
+    assert found["overflows%"] == found["mse"] == found["cur_amax"] == 0.0

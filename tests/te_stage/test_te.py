@@ -4,6 +4,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import logging
 import re
 from unittest import mock
 
@@ -757,3 +758,17 @@ def test_the_notebook_reads_the_statistics_log_tes_tools_write(nb):
         (layer, "activation", "underflows%"): {3: 0.0123},
         (layer, "gradient", "fp8_current_scaling_underflows%"): {4: 2.5},
     }
+
+
+def test_a_second_te_debug_session_logs_only_to_its_own_files(nb):
+    """nvdlfw_inspect's end_debug leaves its loggers' handlers: without te_debug removing them,
+    each later session wrote its statistics into every earlier log too, and each warning twice."""
+    from nvdlfw_inspect.logging import MetricLogger
+
+    with nb.te_debug(nb.FP8_HEALTH_YAML) as (_, first):
+        pass
+    with nb.te_debug(nb.FP8_HEALTH_YAML) as (_, second):
+        MetricLogger.log_scalar("layers.0.self_attention.proj_activation_underflows%", 1.0, 1)
+    assert nb.read_stats_log(first) == {} and len(nb.read_stats_log(second)) == 1
+    loggers = ("nvdlfw_inspect", "Default Statistics")  # nvdlfw_inspect/logging.py's
+    assert not any(logging.getLogger(name).handlers for name in loggers)
