@@ -101,11 +101,8 @@ def test_a_reference_cast_folds_its_amax_into_row_0_and_records_what_it_lost(nb)
     x = torch.tensor([1000.0, -500.0, 3.0, 1e-4])
     fp8.cast(x, s, 0, "forward")
     assert s.stats[:2, 0].tolist() == [50.0, 25.0] and s.stats[2:, 0].isnan().all()  # two only
-    token = nb.ALL_STATS.set(True)  # all of them, as 10.11's run takes them
-    try:
+    with nb.taking_stats(len(nb.REFERENCE_STATS)):  # all of them, as 10.11's run takes them
         fp8.cast(x, s, 0, "forward")
-    finally:
-        nb.ALL_STATS.reset(token)
     assert s.amax_history[0, 0] == 2000.0 and s.amax_history[1:].abs().sum() == 0
     stats = dict(zip(nb.REFERENCE_STATS, s.stats[:, 0].tolist(), strict=True))
     assert stats["overflows%"] == 50.0 and stats["underflows%"] == 25.0  # saturated; 1e-4 flushed
@@ -335,13 +332,11 @@ def test_the_lm_head_runs_outside_fp8_unless_built_in_it(nb, cfg):
 def test_the_parser_reads_back_the_reference_statistics_written_in_tes_log_format(nb, cfg):
     """10.11 on a CPU: the reference's statistics of each step, written under TE's names in TE's
     format, then read by the parser that reads TE's own logs (the TE stage feeds it TE's lines)."""
-    model, snapshots, token = tiny_model(nb, cfg), [], nb.ALL_STATS.set(True)
-    try:
+    model, snapshots = tiny_model(nb, cfg), []
+    with nb.taking_stats(len(nb.REFERENCE_STATS)):
         for _ in range(3):
             fp8_step(nb, cfg, model)
             snapshots.append(nb.fp8_snapshot(model))
-    finally:
-        nb.ALL_STATS.reset(token)
     stats = nb.read_stats_log(nb.write_reference_stats(snapshots, model, nb.FP8_HEALTH_YAML))
     features = yaml.safe_load(nb.FP8_HEALTH_YAML)["fp8_health"]["transformer_engine"].values()
     asked = [stat for feature in features for stat in feature["stats"]]
@@ -360,11 +355,20 @@ def test_the_parser_reads_back_the_reference_statistics_written_in_tes_log_forma
 
 def test_an_all_zero_tensor_flushes_nothing_under_either_scaling(nb):
     """Current scaling's scale, fp8_max / amax, has no value at amax 0: the cast takes 1 there."""
-    x, scale, token = torch.zeros(64), torch.tensor(1.0), nb.ALL_STATS.set(True)
-    try:
+    x, scale = torch.zeros(64), torch.tensor(1.0)
+    with nb.taking_stats(len(nb.REFERENCE_STATS)):
         stats = nb.cast_stats(x, nb.quantize(x, scale, "E4M3")[0], scale, "E4M3")
-    finally:
-        nb.ALL_STATS.reset(token)
     found = dict(zip(nb.REFERENCE_STATS, stats.tolist(), strict=True))
     assert found["underflows%"] == found["fp8_current_scaling_underflows%"] == 0.0
     assert found["overflows%"] == found["mse"] == found["cur_amax"] == 0.0
+
+
+def test_a_run_no_tracker_reads_takes_no_statistics_and_a_tracked_one_its_first_two(nb, cfg):
+    """The reference's statistics cost a quarter of its step: train() skips them untracked."""
+    with nb.using(nb.standin):
+        for track, taken in ((None, 0), (nb.fp8_snapshot, 2)):
+            model = tiny_model(nb, cfg)
+            nb.train(model, cfg, recipe=nb.delayed_scaling(cfg), steps=2, track=track)
+            nan = {tuple(s.stats[:, i].isnan().tolist()) for _, s, i, _ in nb.fp8_tensors(model)}
+            assert nan == {(False,) * taken + (True,) * (len(nb.REFERENCE_STATS) - taken)}
+    assert nb.STATS_TAKEN == 2  # and after the run, the default again
