@@ -353,14 +353,30 @@ def test_the_parser_reads_back_the_reference_statistics_written_in_tes_log_forma
     assert all(v > 0 for (_, _, stat), d in stats.items() if stat == "cur_amax" for v in d.values())
 
 
-def test_an_all_zero_tensor_flushes_nothing_under_either_scaling(nb):
-    """Current scaling's scale, fp8_max / amax, has no value at amax 0: the cast takes 1 there."""
-    x, scale = torch.zeros(64), torch.tensor(1.0)
+def all_stats(nb, x, scale=1.0, fmt="E4M3"):
+    scale = torch.tensor(scale)
     with nb.taking_stats(len(nb.REFERENCE_STATS)):
-        stats = nb.cast_stats(x, nb.quantize(x, scale, "E4M3")[0], scale, "E4M3")
-    found = dict(zip(nb.REFERENCE_STATS, stats.tolist(), strict=True))
+        stats = nb.cast_stats(x, nb.quantize(x, scale, fmt)[0], scale, fmt)
+    return dict(zip(nb.REFERENCE_STATS, stats.tolist(), strict=True))
+
+
+def test_an_all_zero_tensor_flushes_nothing_under_either_scaling(nb):
+    """Current scaling's scale, fp8_max / amax, has no value at amax 0: TE takes 1 there."""
+    found = all_stats(nb, torch.zeros(64))
     assert found["underflows%"] == found["fp8_current_scaling_underflows%"] == 0.0
     assert found["overflows%"] == found["mse"] == found["cur_amax"] == 0.0
+
+
+def test_current_scalings_scale_is_as_tes_at_an_infinite_or_a_tiny_amax(nb):
+    """TE's compute_scale_from_amax: 1 at an amax of inf, an infinite scale capped at FP32's
+    maximum. Without either, every finite non-zero value counted as flushed, or the share was
+    negative (a NaN cast: not zero)."""
+    assert all_stats(nb, torch.tensor([math.inf, 1.0, 1e-4, 0.0]))[CURRENT] == 25.0  # 1e-4 only
+    tiny = all_stats(nb, torch.tensor([1e-40, 5e-41, 0.0]))  # FP32 subnormals: 448 / 1e-40 = inf
+    assert tiny[CURRENT] == 0.0 and tiny["underflows%"] == pytest.approx(200 / 3)
+
+
+CURRENT = "fp8_current_scaling_underflows%"
 
 
 def test_a_run_no_tracker_reads_takes_no_statistics_and_a_tracked_one_its_first_two(nb, cfg):
