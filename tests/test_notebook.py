@@ -424,15 +424,12 @@ def test_the_stated_run_time_is_the_saved_runs_own():
     ]
     assert stated_run_seconds(source(nb["cells"][0])) == int(took)
     assert stated_run_seconds(README.read_text()) == int(took)
-    # a CPU Run all in at most 60 s: issue 47's measurement of the head out of FP8 (3 seeds, 2
-    # settings, 30 FP8 steps each) costs 6-12 s, timed interleaved on one 2-core machine: 45 and
-    # 47 s before it, 57 and 53 s after. Its 50 s could not hold; on a busy hour it took 67 s.
-    # Issue 48 asks for 50 s again; 10.11 costs 2.8 s (papermill's cell times: a 10-step FP8 run
-    # with all of TE's statistics, 1.9 s; the layer search, 0.9 s) and this session's saves of
-    # the same code took 53 to 67 s. Then the reference's statistics only where read and its FP8
-    # operands upcast once: interleaved papermill runs in a slow spell, 71 and 68 s before, 57
-    # and 57 s after (-18%); saves 49 to 57 s; a clean clone's README run 49 s. Cap 60 s.
-    assert int(took) <= 60
+    # a CPU Run all in at most 50 s (issue 48's target). Issue 47's head out of FP8 (3 seeds, 2
+    # settings) cost 6-12 s; 10.11 costs 2.8 s. Then the reference's statistics only where read
+    # and its FP8 operands upcast once (interleaved runs 71 and 68 s before, 57 and 57 after);
+    # then 10.2's and 10.3's runs at 20 steps, not 30 (papermill on a quiet machine: 45 s before,
+    # 40 after; the save 42 s). Saves of the same code vary by up to 25% with the machine's load.
+    assert int(took) <= 50
 
 
 def test_the_first_screen_says_what_colab_collapses_and_where_the_lesson_starts():
