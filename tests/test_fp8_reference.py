@@ -353,6 +353,9 @@ def test_the_parser_reads_back_the_reference_statistics_written_in_tes_log_forma
     assert all(v > 0 for (_, _, stat), d in stats.items() if stat == "cur_amax" for v in d.values())
 
 
+CURRENT = "fp8_current_scaling_underflows%"
+
+
 def all_stats(nb, x, scale=1.0, fmt="E4M3"):
     scale = torch.tensor(scale)
     with nb.taking_stats(len(nb.REFERENCE_STATS)):
@@ -374,9 +377,6 @@ def test_current_scalings_scale_is_as_tes_at_an_infinite_or_a_tiny_amax(nb):
     assert all_stats(nb, torch.tensor([math.inf, 1.0, 1e-4, 0.0]))[CURRENT] == 25.0  # 1e-4 only
     tiny = all_stats(nb, torch.tensor([1e-40, 5e-41, 0.0]))  # FP32 subnormals: 448 / 1e-40 = inf
     assert tiny[CURRENT] == 0.0 and tiny["underflows%"] == pytest.approx(200 / 3)
-
-
-CURRENT = "fp8_current_scaling_underflows%"
 
 
 def test_a_run_no_tracker_reads_takes_no_statistics_and_a_tracked_one_its_first_two(nb, cfg):

@@ -408,12 +408,8 @@ def test_the_first_thing_the_notebook_prints_is_not_an_error():
 def test_10_2s_choice_quotes_the_saved_runs_own_numbers():
     """Issue 47: each `mean [min, max]` the markdown after the head's measurement cites is one the
     saved run printed (so the choice it states is the run's), and it cites all six."""
-    cells = saved()["cells"]
-    (index,) = [
-        i for i, c in enumerate(cells) if source(c).startswith("The choice, from the saved")
-    ]
-    cited = re.findall(r"\d+\.\d+ \[\d+\.\d+, \d+\.\d+\]", " ".join(source(cells[index]).split()))
-    printed = " ".join(outputs_text(cells[index - 1 : index]))
+    printed, text = printed_before(saved()["cells"], "The choice, from the saved")
+    cited = re.findall(r"\d+\.\d+ \[\d+\.\d+, \d+\.\d+\]", text)
     assert len(cited) == 6 and all(number in printed for number in cited), cited
 
 
