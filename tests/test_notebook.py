@@ -200,8 +200,10 @@ def test_the_whole_notebook_does_not_grow():
     and 19 more cut (10.8's and 10.11's helpers folded into their collapsed cells, `using` by
     mock.patch); 1,633 with the reference's CPU speed-ups (+5: statistics only where a tracker
     reads them, FP8 operands upcast once), Run all 18% faster; 1,604, the target, once 30 more
-    went (docstrings as def-line comments, the planner's reasons named, one-use temporaries)."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1604
+    went (docstrings as def-line comments, the planner's reasons named, one-use temporaries).
+    Issue 57 allows 20 more (1,624) for what TE's source showed on an FP8 GPU: fp8_tensors
+    keeps TE's GEMM modules only (+4), ..."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1624
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
@@ -424,8 +426,10 @@ def test_the_stated_run_time_is_the_saved_runs_own():
     # settings) cost 6-12 s; 10.11 costs 2.8 s. Then the reference's statistics only where read
     # and its FP8 operands upcast once (interleaved runs 71 and 68 s before, 57 and 57 after);
     # then 10.2's and 10.3's runs at 20 steps, not 30 (papermill on a quiet machine: 45 s before,
-    # 40 after; the save 42 s). Saves of the same code vary by up to 25% with the machine's load.
-    assert int(took) <= 50
+    # 40 after; the save 42 s). Saves of the same code vary by up to 25% with the machine's load,
+    # and by machine: issue 57's (a 2-core AMD EPYC, AVX2 only; FP32 training 4.6 s, not 3.3)
+    # saved issue 48's final code in 57 s and its own in 53 s, quiet. So 60 s, on either machine.
+    assert int(took) <= 60
 
 
 def test_the_first_screen_says_what_colab_collapses_and_where_the_lesson_starts():
@@ -461,13 +465,13 @@ def test_10_11s_readings_are_the_saved_runs_own():
     under, current = ([float(v) for v in rows[s]] for s in FLUSHED)
     assert f"flushes {rows['underflows%'][4]}% of the gradients' values" in text  # gradient, step 1
     assert all(d <= 1.5 * c for d, c in zip(under[1::2], current[1::2], strict=True))  # later
-    printed, text = printed_before(cells, "From the saved CPU run: taking `layers.0`")
-    first, second = (
-        next(line for line in printed.splitlines() if line.startswith(f"layers.{i} out"))
-        for i in (0, 1)
+    printed, text = printed_before(cells, "From the saved CPU run (")
+    layers = [line for line in printed.splitlines() if re.match(r"layers\.\d+ out", line)]
+    outside = [line.split() for line in layers if "inside the spread" not in line]
+    assert len(layers) >= 2 and all(  # each layer the run found outside its spread, quoted
+        f"`{row[0]}` out of FP8 closes {row[-1]} of the gap" in text for row in outside
     )
-    assert "inside the spread" not in first and f"closes {first.split()[-1]} of the gap" in text
-    assert "inside the spread" in second and int(first.split()[-1].rstrip("%")) >= 50
+    assert outside or "no single layer out of FP8 moves the loss outside the spread" in text
     base, whole = (
         next(line.split() for line in printed.splitlines() if line.startswith(setting))
         for setting in ("FP8 everywhere", "no layer in FP8")

@@ -1,6 +1,7 @@
 """Transformer Engine's own code, run on the notebook's TE calls (see conftest.py)."""
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -18,6 +19,7 @@ from conftest import cuda_device
 from example_runtimes import RECIPES_HEADER, RUNTIMES_HEADER, example_runtimes, tes_check
 from notebook_source import markdown_cell, markdown_table, notebook_cells, write_cell_file
 from transformer_engine.pytorch import quantization
+from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
 from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
 
@@ -455,42 +457,93 @@ def test_tes_fp8_is_off_inside_a_nested_disabled_autocast_and_back_on_after_it()
     assert not manager.is_fp8_enabled()
 
 
-def test_the_notebook_reads_each_fp8_tensor_from_the_slot_te_gives_it(nb, cfg):
+def tes_fp8_init_on_each_module(model, recipe, hidden, heads):
+    """What an FP8 forward leaves in each TE module's fp8_meta, by TE's own code: each module's
+    own forward runs under te.autocast(recipe) until TE's prepare_forward, which calls TE's
+    init_fp8_metadata(num_gemms) with the number the forward passes (1; LayerNormMLP 2;
+    DotProductAttention 3); there it stops, since the GEMMs need a GPU. The head runs in
+    section 6's forward (its layers already done, its final norm an identity), so in the FP8
+    state the notebook gives it. Patched beside "a CUDA device exists": no CUDA graph is being
+    captured, and TE's recipe state allocates on the CPU instead of "cuda"."""
+
+    class ReachedTheGemms(Exception):
+        pass
+
+    def prepare_forward(module, inp, num_gemms=1, *args, **kwargs):
+        module.init_fp8_metadata(num_gemms=num_gemms)  # TE's, as prepare_forward calls it
+        raise ReachedTheGemms
+
+    state_init = quantization.DelayedScalingRecipeState.__init__
+
+    def on_the_cpu(state, *args, device=None, **kwargs):
+        state_init(state, *args, device=device or CPU, **kwargs)
+
+    with (
+        cuda_device(),
+        mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False),
+        mock.patch.object(TransformerEngineBaseModule, "prepare_forward", prepare_forward),
+        mock.patch.object(quantization.DelayedScalingRecipeState, "__init__", on_the_cpu),
+        te.autocast(recipe=recipe),
+    ):
+        for module in model.layers.modules():  # each takes hidden (B, T, D); attention q, k, v
+            if isinstance(module, TransformerEngineBaseModule):
+                qkv = (hidden.unflatten(-1, (heads, -1)),) * 3  # each (B, T, heads, head size)
+                with contextlib.suppress(ReachedTheGemms):
+                    module(*qkv) if isinstance(module, te.DotProductAttention) else module(hidden)
+        layers, norm = model.layers, model.final_norm
+        model.layers, model.final_norm = torch.nn.ModuleList(), torch.nn.Identity()
+        with contextlib.suppress(ReachedTheGemms):
+            model(torch.zeros(hidden.shape[:2], dtype=torch.long))
+        model.layers, model.final_norm = layers, norm
+
+
+def test_the_notebook_reads_each_fp8_tensor_from_the_slot_te_gives_it_and_skips_attention(nb, cfg):
     """fp8_tensors labels slot 3k (3k+1) of the forward state as GEMM k's input (weight), slot 2k
-    of the backward state as its incoming gradient. TE's own enums and each module's own
-    quantizer roles must say the same. On a GPU, TE fills fp8_meta at the first FP8 forward
-    (init_fp8_metadata, with 2 GEMMs for LayerNormMLP, 1 otherwise); here that step is done with
-    TE's own state objects, since their constructor allocates on "cuda" by default."""
+    of the backward state as its incoming gradient: TE's own enums and each module's quantizer
+    roles must say the same. TE's init_fp8_metadata gives the state (tes_fp8_init_on_each_module):
+    to every GEMM module, to each DotProductAttention too (num_gemms 3, never cast: TE's
+    dot_product_attention.py forward, prepare_forward_ctx(..., num_gemms=3)), and not to the head,
+    which section 6 runs outside FP8. fp8_tensors must yield the GEMMs' tensors and no other."""
     for k in range(3):
         assert int(getattr(tex.FP8FwdTensors, f"GEMM{k + 1}_INPUT")) == 3 * k
         assert int(getattr(tex.FP8FwdTensors, f"GEMM{k + 1}_WEIGHT")) == 3 * k + 1
         assert int(getattr(tex.FP8BwdTensors, f"GRAD_OUTPUT{k + 1}")) == 2 * k
-    recipe = te_recipes.DelayedScaling()
     with cuda_device():
         model = nb.CausalLM(cfg, CPU)
+    hidden = torch.zeros(2, cfg.seq_len, cfg.d_model)  # (B, T, D), the "bshd" layout
+    tes_fp8_init_on_each_module(model, nb.delayed_scaling(cfg), hidden, cfg.n_heads)
     modules = dict(model.named_modules())
-    for module in modules.values():
-        if isinstance(module, (te.Linear, te.LayerNormLinear, te.LayerNormMLP)):
-            n = 2 if isinstance(module, te.LayerNormMLP) else 1
-            module.fp8_meta["num_gemms"] = n
-            for key, mode, per_gemm in (
-                ("scaling_fwd", "forward", 3),
-                ("scaling_bwd", "backward", 2),
-            ):
-                module.fp8_meta[key] = quantization.DelayedScalingRecipeState(
-                    recipe, mode=mode, num_quantizers=n * per_gemm, device=CPU
-                )
+    attention = [m for m in modules.values() if isinstance(m, te.DotProductAttention)]
+    assert len(attention) == cfg.n_layers and all(  # TE's state, on a module that never casts
+        m.fp8_meta["num_gemms"] == 3 and m.fp8_meta["scaling_fwd"].scale.shape == (9,)
+        for m in attention
+    )
+    assert "scaling_fwd" not in model.head.fp8_meta  # the head ran with TE's FP8 off
     seen = set()
     for label, state, slot, direction in nb.fp8_tensors(model):
         name, role_label = label.split("/")[0].rsplit(".", 1)[0], label.split("/")[1]
         module, forward = modules[name], direction == "forward"
+        assert isinstance(module, (te.Linear, te.LayerNormLinear, te.LayerNormMLP)), label
         assert state is module.fp8_meta["scaling_fwd" if forward else "scaling_bwd"]
         role = module.get_quantizer_roles(fwd=forward, num_quantizers=len(state.scale))[slot]
         assert role.tensor_type == role_label, (label, role)
         gemm = label.split("/")[0].rsplit(".", 1)[1]
         assert role.name.endswith(f".{gemm}") if gemm != "gemm" else role.name == module.name
         seen.add(label)
-    assert len(seen) == 3 * (4 * cfg.n_layers + 1)  # 3 tensors of qkv, proj, fc1, fc2; head
+    assert len(seen) == 3 * 4 * cfg.n_layers  # 3 tensors of qkv, proj, fc1, fc2 in each layer
+
+
+def test_fp8_tensors_lists_the_stand_ins_gemms_where_te_is_te(nb, cfg, tmp_path):
+    """On an A100, `te` is TE and section 8's FP8 run is the reference's (the stand-in's model):
+    fp8_tensors must list its GEMMs too, and the script's fp8_lesson.py must know them."""
+    with nb.using(nb.standin):
+        model = nb.CausalLM(cfg, CPU)
+        with nb.reference_autocast(recipe=nb.ReferenceRecipe(amax_history_len=16)):
+            model(torch.zeros(2, 8, dtype=torch.long))
+    assert len(list(nb.fp8_tensors(model))) == 3 * 4 * cfg.n_layers
+    nb.write_lesson_module(tmp_path / "fp8_lesson.py")  # the twins joined after FP8_GEMMS
+    lesson = (tmp_path / "fp8_lesson.py").read_text()
+    assert lesson.index("FP8_GEMMS = (") < lesson.index("FP8_GEMMS += (standin.Linear")
 
 
 def test_tes_state_has_the_layout_the_reference_keeps(nb):
@@ -538,11 +591,10 @@ def test_section_8_2s_check_passes_tes_own_update_and_fails_it_applied_twice(nb,
     TE's own state objects updated by TE's unfused Python update, called directly: every amax
     cast, it must pass; an update run twice per step (the history rolled twice) fails it."""
     recipe = te_recipes.DelayedScaling(amax_history_len=8, amax_compute_algo=algo, margin=margin)
-    layer, directions = (
-        torch.nn.Module(),
-        (("scaling_fwd", "forward", 3), ("scaling_bwd", "backward", 2)),
-    )
-    layer.fp8_meta = {"num_gemms": 1} | {
+    directions = (("scaling_fwd", "forward", 3), ("scaling_bwd", "backward", 2))
+    with cuda_device():
+        layer = te.Linear(16, 16, device=CPU)  # its state as TE's first FP8 forward leaves it
+    layer.fp8_meta |= {"num_gemms": 1} | {
         key: quantization.DelayedScalingRecipeState(recipe, mode=mode, num_quantizers=n, device=CPU)
         for key, mode, n in directions
     }
