@@ -303,6 +303,7 @@ def test_a_run_on_tes_modules_empties_tes_list_and_lets_its_own_model_rejoin_it(
     manager = types.SimpleNamespace(
         reset=lambda: resets.append("reset"), get_buffer_info=lambda: "place"
     )
+    manager.get_fp8_recipe = nb.standin.quantization.FP8GlobalStateManager.get_fp8_recipe
     like_te = types.SimpleNamespace(**vars(nb.standin))  # the stand-in's modules, but not it
     like_te.quantization = types.SimpleNamespace(FP8GlobalStateManager=manager)
     model = twin(nb, cfg)

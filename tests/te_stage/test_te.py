@@ -441,9 +441,42 @@ def test_10_1_quotes_tes_own_refusal_of_delayed_scaling_under_torch_compile():
     default = " ".join(inspect.getsource(quantization.get_default_fp8_recipe).split())
     assert "fp8_recipe = get_default_fp8_recipe() if fp8_recipe is None else fp8_recipe" in enter
     assert "assert not torch.compiler.is_compiling()" in default
-    assert "give a nested `te.autocast(enabled=False)`" in " ".join(
+    assert "nested `te.autocast(enabled=False, recipe=...)` also spares traced code" in " ".join(
         markdown_cell("### 10.1 ").split()
     )
+
+
+def test_a_nested_autocast_without_a_recipe_takes_the_training_recipes_place_and_6s_does_not(
+    nb, cfg
+):
+    """Issue 57: TE files each autocast's recipe under a key made from its text (autocast_enter,
+    get_unique_autocast_key), a disabled one too, taking TE's default DelayedScaling() when given
+    none; DelayedScaling's text omits amax_compute_algo, and the update reads the recipe back by
+    that key (reduce_and_update_fp8_tensors). So a nested te.autocast(enabled=False) replaces a
+    "most_recent" recipe of history 1024 with "max"; section 6's forward, which passes the
+    surrounding recipe, leaves it. The model has no layers; its head records TE's state."""
+    manager, found = quantization.FP8GlobalStateManager, []
+    tuned = dataclasses.replace(cfg, amax_history_len=1024, amax_compute_algo="most_recent")
+    recipe = nb.delayed_scaling(tuned)  # AMAX_HISTORY_LEN=1024, AMAX_COMPUTE_ALGO="most_recent"
+    key = manager.get_unique_autocast_key(recipe, None)
+    assert key == manager.get_unique_autocast_key(te_recipes.DelayedScaling(), None)  # one text
+    update = " ".join(inspect.getsource(manager.reduce_and_update_fp8_tensors).split())
+    assert "recipe, group = qstate.autocast_arguments[autocast_key]" in update
+
+    class Head(torch.nn.Module):  # what TE's update would read for this recipe's key, then
+        def forward(self, x):
+            found.append(manager.quantization_state.autocast_arguments[key][0])
+            return x
+
+    with cuda_device(), nb.using(te):
+        model = nb.CausalLM(dataclasses.replace(cfg, n_layers=0), CPU)
+        model.final_norm, model.head = torch.nn.Identity(), Head()
+        with te.autocast(enabled=True, recipe=recipe), te.autocast(enabled=False):  # the old form
+            model.head(None)
+        with te.autocast(enabled=True, recipe=recipe):
+            model(torch.zeros(2, 8, dtype=torch.long))  # section 6's forward
+    manager.reset()
+    assert [r.amax_compute_algo for r in found] == ["max", "most_recent"] and found[1] is recipe
 
 
 def test_tes_fp8_is_off_inside_a_nested_disabled_autocast_and_back_on_after_it():
