@@ -579,6 +579,25 @@ def test_fp8_tensors_lists_the_stand_ins_gemms_where_te_is_te(nb, cfg, tmp_path)
     assert lesson.index("FP8_GEMMS = (") < lesson.index("FP8_GEMMS += (standin.Linear")
 
 
+def test_10_7_builds_tes_attention_deterministic_and_leaves_the_setting_as_it_was(nb, cfg):
+    """Issue 57: TE's DotProductAttention reads NVTE_ALLOW_NONDETERMINISTIC_ALGO when built
+    (its __init__ sets `deterministic`); 10.7 builds its models inside deterministic_attention,
+    so TE's attention backward is deterministic there, and a model built after it is not."""
+
+    def attention(model):
+        return [m for m in model.modules() if isinstance(m, te.DotProductAttention)]
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    with cuda_device():
+        with nb.deterministic_attention():
+            inside = nb.CausalLM(cfg, CPU)
+        after = nb.CausalLM(cfg, CPU)
+    assert attention(inside) and all(m.deterministic for m in attention(inside))
+    assert not any(m.deterministic for m in attention(after))
+    (cell,) = [c for c in notebook_cells() if "def resume_experiment(" in "".join(c["source"])]
+    assert "deterministic_attention():" in "".join(cell["source"])  # where its models are built
+
+
 def test_tes_state_has_the_layout_the_reference_keeps(nb):
     recipe = te_recipes.DelayedScaling(amax_history_len=16)
     for mode, n in (("forward", 6), ("backward", 4)):
