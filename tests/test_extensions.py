@@ -1,6 +1,8 @@
 """Section 10: the experiment harness, the benchmark's arithmetic and skip rules, and what the
 amax-history experiment shows."""
 
+import sys
+
 import pytest
 import torch
 from notebook_source import notebook_cells, source
@@ -234,6 +236,18 @@ def test_a_gpu_without_datasheet_figures_here_gets_no_estimate_injected(nb, cfg,
     assert (
         "NVIDIA L40S: beside the timings, the estimate for no GPU here" in capsys.readouterr().out
     )
+
+
+def test_an_experiment_that_calls_sys_exit_fails_alone_and_the_next_one_runs(nb):
+    """Issue 57: nvdlfw_inspect calls sys.exit(1) on some errors (base.py, utils.py); SystemExit
+    is not an Exception, and it would have ended the whole Run all."""
+    experiments = {}
+    nb.run_experiment(experiments, "exits", None, lambda: sys.exit(1))
+    nb.run_experiment(experiments, "next", None, lambda: {"x": 1})
+    assert experiments["exits"]["status"] == "failed" and experiments["exits"]["reason"] == (
+        "SystemExit: 1"
+    )
+    assert experiments["next"] == {"status": "ran", "reason": "", "x": 1}
 
 
 def test_an_experiment_is_recorded_ran_skipped_or_failed_with_its_traceback(nb, capsys):

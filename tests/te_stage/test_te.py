@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -862,6 +863,33 @@ def test_the_notebook_reads_the_statistics_log_tes_tools_write(nb):
         (layer, "activation", "underflows%"): {3: 0.0123},
         (layer, "gradient", "fp8_current_scaling_underflows%"): {4: 2.5},
     }
+
+
+def test_te_debug_logs_a_gradients_scale_inv_in_full_and_nvdlfw_inspects_own_log_does_not(nb):
+    """Issue 57: nvdlfw_inspect's own statistics log writes `value={:.4f}` (logging.py): a
+    gradient's scale_inv_min, about 1e-8, reads 0. te_debug's logger keeps 6 digits."""
+    import nvdlfw_inspect.api as debug_api
+    from nvdlfw_inspect.logging import MetricLogger
+
+    name, value = "layers.0.self_attention.proj_gradient_scale_inv_min", 2.98023e-08
+    with nb.te_debug(nb.FP8_HEALTH_YAML) as (_, log_dir):
+        MetricLogger.log_scalar(name, torch.tensor(value), 7)
+    assert nb.read_stats_log(log_dir)[
+        name.rsplit("_gradient_")[0], "gradient", "scale_inv_min"
+    ] == {7: pytest.approx(value, rel=1e-5)}
+    config = next(log_dir.glob("config.yaml"))
+    features = [str(Path(te.__file__).parents[1] / "debug" / "features")]
+    try:  # nvdlfw_inspect's own statistics logger, as without te_debug's
+        debug_api.initialize(
+            str(config), features, log_dir=str(log_dir / "own"), default_logging_enabled=True
+        )
+        MetricLogger.log_scalar(name, torch.tensor(value), 7)
+    finally:
+        debug_api.end_debug()
+        for logger in map(logging.getLogger, ("nvdlfw_inspect", "Default Statistics")):
+            while logger.handlers:
+                logger.handlers.pop().close()
+    assert next(iter(nb.read_stats_log(log_dir / "own").values())) == {7: 0.0}
 
 
 def test_a_second_te_debug_session_logs_only_to_its_own_files(nb):
