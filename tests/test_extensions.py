@@ -137,17 +137,20 @@ def test_the_estimate_at_2048_x_12_on_an_h100_is_the_issues_roofline(nb, cfg):
     """Issue 45's numbers, from a roofline of the reviewer's own (and recomputed in review): at
     2048 x 12, 1,024 tokens, the weights' casts take 1.08 ms, FP8's casts 0.48, AdamW 5.78 (64.5
     on an L4); the linear layers gain 1.32x (1.53x at 4,096 tokens), the step 1.13x. Issue 47 took
-    the LM head out of FP8 (its GEMM BF16 in both precisions, no cast): FP8's casts 0.481 ms."""
+    the LM head out of FP8 (its GEMM BF16 in both precisions, no cast): FP8's casts 0.481 ms.
+    Issue 57: the weight-gradient GEMM writes BF16 (linear.py's out_dtype), autograd casts it to
+    FP32: the weights' casts 2.164 ms (6 bytes a weight more, by the hand count below), the
+    linear layers 1.309x (1.48x at 4,096 tokens), the step 1.136x."""
     big = nb.sized_config(cfg, 2048, 12)
     found = nb.step_estimate(big, 1024, "H100")
-    assert found["weight_casts_ms"] == pytest.approx(1.082, abs=1e-3)
+    assert found["weight_casts_ms"] == pytest.approx(2.164, abs=1e-3)
     assert found["fp8_casts_ms"] == pytest.approx(0.481, abs=1e-3)
     assert found["optimizer_ms"] == pytest.approx(5.777, rel=2e-3)  # the vocabulary's rows vary
     assert found["fp8_gemms_ms"] + found["fp8_casts_ms"] + found["weight_casts_ms"] == (
-        pytest.approx(3.66, abs=0.01)
+        pytest.approx(4.52, abs=0.01)
     )
-    assert (found["linear_speedup"], found["step_speedup"]) == pytest.approx((1.322, 1.125), 2e-3)
-    assert nb.step_estimate(big, 4096, "H100")["linear_speedup"] == pytest.approx(1.53, abs=0.01)
+    assert (found["linear_speedup"], found["step_speedup"]) == pytest.approx((1.309, 1.136), 2e-3)
+    assert nb.step_estimate(big, 4096, "H100")["linear_speedup"] == pytest.approx(1.48, abs=0.01)
     assert nb.step_estimate(big, 1024, "L4")["optimizer_ms"] == pytest.approx(64.5, rel=2e-3)
 
 
@@ -170,7 +173,7 @@ def test_one_sizes_breakdown_by_hand_is_the_notebooks(nb, cfg):
             for bytes_ in (
                 b * M * K + b * K * N + 2 * M * N,  # fprop: x, W in; y out
                 b * M * N + b * K * N + 2 * M * K,  # dgrad: dy, W in; dx out
-                b * M * K + b * M * N + 4 * K * N,  # wgrad: x, dy in; dW out, FP32
+                b * M * K + b * M * N + 2 * K * N,  # wgrad: x, dy in; dW out, BF16 (out_dtype)
             ):
                 total += ms(2 * M * K * N, bytes_, tflops)
         return total
@@ -185,7 +188,8 @@ def test_one_sizes_breakdown_by_hand_is_the_notebooks(nb, cfg):
         "bf16_gemms_ms": gemms_ms(gemms, 2, bf16_tflops) + head_ms,
         "fp8_gemms_ms": gemms_ms(gemms, 1, fp8_tflops) + head_ms,
         "fp8_casts_ms": ms(bytes_=4 * sum(M * K + M * N for M, K, N in gemms)),  # BF16 in, 2 out
-        "weight_casts_ms": ms(bytes_=6 * weights),  # FP32 in; BF16, or FP8 and its transpose, out
+        # FP32 in; BF16, or FP8 and its transpose, out; then dW's BF16 in, FP32 out (autograd)
+        "weight_casts_ms": ms(bytes_=(4 + 2 + 2 + 4) * weights),
         "optimizer_ms": ms(bytes_=32 * parameters),
     }
     found = nb.step_estimate(big, T, "H100")

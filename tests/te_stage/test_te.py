@@ -599,6 +599,29 @@ def test_10_7_builds_tes_attention_deterministic_and_leaves_the_setting_as_it_wa
     assert "deterministic_attention():" in "".join(cell["source"])  # where its models are built
 
 
+def test_the_sentences_issue_57_corrected_are_what_tes_source_says(nb, cfg):
+    """Section 6's padding is TE's assert_dim_for_fp8_exec (utils.py), which refuses the head's
+    weight at VOCAB_SIZE=100 and takes it padded; section 8's "fp8_meta changes between
+    versions" is base.py's TE 1.x conversion; 10.10's weight gradients are written in the
+    activations' dtype (linear.py's wgrad out_dtype), then cast by autograd."""
+    from transformer_engine.pytorch import utils
+    from transformer_engine.pytorch.module import base, linear
+
+    with cuda_device():
+        heads = [nb.CausalLM(cfg, CPU, fp8_head=fp8).head.weight for fp8 in (False, True)]
+    assert cfg.vocab_size % 8 and not heads[1].shape[0] % 16
+    with pytest.raises(ValueError, match="divisible by 8"):
+        utils.assert_dim_for_fp8_exec(heads[0])
+    utils.assert_dim_for_fp8_exec(heads[1])
+    assert "`assert_dim_for_fp8_exec`" in markdown_cell("## 6. The model")
+    words = "TE 1.x also saved scale_inv"
+    assert words in inspect.getsource(base) and words in markdown_cell("## 8. Inside FP8")
+    assert "#2071" not in markdown_cell("## 8. Inside FP8")
+    wgrad = " ".join(inspect.getsource(linear).split())
+    out_dtype = "main_grad.dtype if bwd_args.fuse_wgrad_accumulation else bwd_args.activation_dtype"
+    assert f'"out_dtype": ( {out_dtype} ),' in wgrad
+
+
 def test_tes_state_has_the_layout_the_reference_keeps(nb):
     recipe = te_recipes.DelayedScaling(amax_history_len=16)
     for mode, n in (("forward", 6), ("backward", 4)):
