@@ -1,4 +1,4 @@
-"""The data, the stride scorer and greedy generation (with and without FP8-style padding)."""
+"""The data, the stride scorer and greedy generation (with and without FP8's padding rows)."""
 
 import torch
 
@@ -70,23 +70,21 @@ def test_greedy_generation_with_a_perfect_model_scores_one(nb):
     assert nb.stride_scores(prompts, new, 37)["sequence_accuracy"] == 1.0
 
 
-def test_right_padding_leaves_every_real_position_unchanged(nb, cfg):
-    """What FP8 decoding relies on: the causal mask hides the padding from earlier positions."""
-    torch.manual_seed(0)
-    model = nb.CausalLM(cfg, CPU)
-    prompts, _ = nb.make_stride_batch(8, 5, cfg.vocab_size, cfg.max_stride, gen())
-    with torch.no_grad():
-        plain, padded = model(prompts), model(torch.nn.functional.pad(prompts, (0, 11)))
-    torch.testing.assert_close(padded[:, :5], plain, rtol=1e-5, atol=1e-6)  # GEMM rounding only
-
-
-def test_decoding_pads_the_context_to_16_only_under_fp8(nb, cfg):
-    torch.manual_seed(0)
-    model, lengths = nb.CausalLM(cfg, CPU), []
-    model.register_forward_pre_hook(lambda m, args: lengths.append(args[0].shape[1]))
-    prompts, _ = nb.make_stride_batch(8, cfg.prompt_len, cfg.vocab_size, cfg.max_stride, gen())
-    nb.generate_greedy(model, prompts, cfg.gen_tokens)
-    assert lengths == list(range(cfg.prompt_len, cfg.prompt_len + cfg.gen_tokens))
-    lengths.clear()
-    new = nb.generate_greedy(model, prompts, cfg.gen_tokens, nb.ReferenceRecipe())
-    assert set(lengths) == {16} and new.shape == (8, cfg.gen_tokens)
+def test_fp8_decoding_pads_rows_to_16_and_never_the_length_past_seq_len(nb, defaults):
+    """Issue 58: SEQ_LEN=30 passed the parameter check, then the FP8 decoding padded the context
+    to 32, past the position table (IndexError). Now it pads rows: every length within SEQ_LEN."""
+    shapes = []
+    for seq_len, n in ((30, 8), (24, 5), (12, 16)):  # not multiples of 16 (12, 30: nor of 8)
+        small = {"SEQ_LEN": seq_len, "D_MODEL": 32, "N_HEADS": 2, "FFN_HIDDEN": 64}
+        cfg = nb.check_parameters(defaults | small | {"PROMPT_LEN": 4, "GEN_TOKENS": seq_len - 4})
+        torch.manual_seed(0)
+        model = nb.CausalLM(cfg, CPU)
+        shapes.clear()
+        model.register_forward_pre_hook(lambda m, args: shapes.append(args[0].shape))
+        prompts, _ = nb.make_stride_batch(n, 4, cfg.vocab_size, cfg.max_stride, gen())
+        new = nb.generate_greedy(model, prompts, cfg.gen_tokens, nb.ReferenceRecipe())
+        assert new.shape == (n, seq_len - 4) and shapes[-1] == (16, seq_len - 1)
+        assert all(rows % 16 == 0 and length <= seq_len for rows, length in shapes)
+        shapes.clear()
+        assert nb.generate_greedy(model, prompts, cfg.gen_tokens).shape == new.shape
+        assert shapes == [(n, t) for t in range(4, seq_len)]  # without FP8: no padding

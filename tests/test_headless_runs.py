@@ -26,7 +26,8 @@ def run_notebook(tmp_path, **parameters):
 
 # Small enough for CI, large enough to learn the task.
 SMALL = {"TRAIN_STEPS": 200, "D_MODEL": 64, "FFN_HIDDEN": 256, "EVAL_PROMPTS": 64}
-TINY = {"TRAIN_STEPS": 30, "D_MODEL": 32, "N_HEADS": 2, "FFN_HIDDEN": 64, "SEQ_LEN": 16}
+# SEQ_LEN=12, not a multiple of 8: issue 58 (FP8 decoding once padded it past the positions)
+TINY = {"TRAIN_STEPS": 30, "D_MODEL": 32, "N_HEADS": 2, "FFN_HIDDEN": 64, "SEQ_LEN": 12}
 TINY |= {"BATCH_SIZE": 8, "EVAL_PROMPTS": 16, "PROMPT_LEN": 4, "GEN_TOKENS": 8}
 
 

@@ -203,8 +203,9 @@ def test_the_whole_notebook_does_not_grow():
     went (docstrings as def-line comments, the planner's reasons named, one-use temporaries).
     Issue 57 allows 20 more (1,624) for what TE's source showed on an FP8 GPU: fp8_tensors
     keeps TE's GEMM modules only (+4), the nested autocast's recipe (+3), 10.7's deterministic
-    attention (+3), 10.11's full-precision log and the harness's SystemExit (+10)."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1624
+    attention (+3), 10.11's full-precision log and the harness's SystemExit (+10). Issue 58
+    allows 25 more (1,649) for what a new user hit: FP8 decoding pads rows, not the length (+1)."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1649
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
