@@ -11,6 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "te_fp8_training.ipynb"
 README = REPO / "README.md"
+LESSON = REPO / "fp8_lesson.py"  # what a default Run all writes in 10.9, shipped for readers
 
 
 def notebook_cells(tag=None):
@@ -57,7 +58,8 @@ def load_notebook_definitions():
     sys.modules[module.__name__] = module  # dataclasses look their module up here
     for index, cell in enumerate(notebook_cells("defs")):
         name, text = f"{NOTEBOOK.name}[defs {index}]", source(cell)
-        linecache.cache[name] = (len(text), None, text.splitlines(True), name)  # as IPython does
+        lines = [line + "\n" for line in text.splitlines()]  # as IPython keeps a cell's lines
+        linecache.cache[name] = (len(text), None, lines, name)
         exec(compile(text, name, "exec"), module.__dict__)  # noqa: S102
     return module
 

@@ -6,8 +6,8 @@ papermill runs the notebook in a scratch folder, then the executed copy replaces
 te_fp8_training.ipynb: papermill's own metadata removed, and the hash of the code cells it ran
 recorded in the notebook's metadata, where tests/test_notebook.py compares it with the code. The
 run's own time ("Run all took N s", section 11) is written where the introduction and the README
-state it. Run it after every change to a code cell, on a CPU machine (the saved outputs are the
-CPU plan's).
+state it; the fp8_lesson.py it wrote (10.9) replaces the shipped one. Run it after every change
+to a code cell, on a CPU machine (the saved outputs are the CPU plan's).
 """
 
 import json
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 import torch
-from notebook_source import NOTEBOOK, README, code_sha256, stated_run_seconds
+from notebook_source import LESSON, NOTEBOOK, README, code_sha256, stated_run_seconds
 
 RUN_TOOK = re.compile(r"Run all took\s+(\d+) s")
 
@@ -54,6 +54,7 @@ def state_run_time(text, seconds):
 def main():
     with tempfile.TemporaryDirectory() as folder:
         nb = without_papermill(run_notebook(folder))
+        LESSON.write_text((Path(folder) / LESSON.name).read_text())
     seconds = measured_seconds(nb)
     intro = nb.cells[0]
     intro.source = state_run_time(intro.source, seconds)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from notebook_source import REPO, notebook_cells, source, write_cell_file
+from notebook_source import LESSON, REPO, notebook_cells, source, write_cell_file
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +103,20 @@ def test_a_failing_command_is_reported_with_its_error(nb):
         nb.run_with_limit([sys.executable, "-c", 'import sys; sys.exit("this rank\'s problem")'])
 
 
-def test_fp8_lesson_is_the_notebooks_own_cells_so_the_script_cannot_drift(nb, tmp_path):
-    nb.write_lesson_module(tmp_path / "fp8_lesson.py")
+def test_the_shipped_fp8_lesson_is_what_a_default_run_writes_from_the_notebooks_cells(
+    nb, defaults, tmp_path
+):
+    """Issue 58: a fresh clone had no fp8_lesson.py (only a Run all wrote it). The shipped one is
+    what 10.9 writes at the defaults, so neither the script nor a reader's cells can drift."""
+    nb.write_lesson_module(tmp_path / "fp8_lesson.py", nb.check_parameters(defaults))
     text = (tmp_path / "fp8_lesson.py").read_text()
+    assert LESSON.read_text() == text, "stale: run tests/save_outputs.py"
     for piece in ("class CausalLM(", "def train_step(", "def same_on_every_rank(", "def using("):
         (cell,) = [c for c in notebook_cells("defs") if piece in source(c)]
         assert source(cell) in text  # the whole cell, verbatim
     compile(text, "fp8_lesson.py", "exec")  # and it is Python
+    ignored = subprocess.run(["git", "check-ignore", "-q", LESSON], cwd=REPO, check=False)
+    assert ignored.returncode == 1  # a clone has it
 
 
 def test_the_script_passes_ruff_as_the_notebook_does(script):

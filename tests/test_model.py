@@ -2,12 +2,13 @@
 
 import dataclasses
 import pickle
+import subprocess
 import sys
 import types
 
 import pytest
 import torch
-from notebook_source import markdown_cell, notebook_cells, source
+from notebook_source import LESSON, markdown_cell, notebook_cells, source
 
 CPU = torch.device("cpu")
 
@@ -328,7 +329,7 @@ COPY_CELLS = (
     "def delayed_scaling(",
     "def print_fp8_state(model)",
 )
-READER_TE = "from fp8_lesson import te, DelayedScaling, Format"  # section 6's sentence, on a CPU
+READER = "from fp8_lesson import te, DelayedScaling, Format, cfg"  # section 6's way, on a CPU
 
 
 def copy_cells():
@@ -341,27 +342,34 @@ IMPORTS = [
     for line in text.splitlines()
     if line.startswith(("import ", "from "))
 ]
+USE_THEM = """
+torch.manual_seed(0)
+model = CausalLM(cfg, "cpu")
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+tokens = (3 * torch.arange(cfg.seq_len + 1) + torch.arange(8)[:, None]) % cfg.vocab_size
+loss = train_step(model, tokens, optimizer, delayed_scaling(cfg))
+print(f"loss {loss.item()}")
+rows = print_fp8_state(model)
+"""
 
 
-def paste_and_train(texts, lesson_folder, monkeypatch):
-    """Each copy cell pasted into a reader's fresh notebook on a CPU: its own first lines, and
-    section 6's line for te; the model built, one FP8 step taken, its FP8 state printed."""
-    monkeypatch.syspath_prepend(str(lesson_folder))
+def paste_and_train(texts, monkeypatch):
+    """Each copy cell pasted into a reader's fresh notebook on a CPU: section 6's line, then the
+    cell with its own first lines; the model built, one FP8 step taken, its FP8 state printed."""
+    monkeypatch.syspath_prepend(str(LESSON.parent))
     monkeypatch.delitem(sys.modules, "fp8_lesson", raising=False)
     pasted = []
     for text in texts:
         reader = {}
-        exec(READER_TE, reader)  # noqa: S102
+        exec(READER, reader)  # noqa: S102
         exec(text, reader)  # noqa: S102 the notebook's own cells, each in its own notebook
         pasted.append(reader)
     model_cell, step_cell, recipe_cell, state_cell = pasted
-    sizes = {"vocab_size": 50, "seq_len": 32, "d_model": 64, "ffn_hidden": 128, "n_heads": 4}
-    recipe = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
-    cfg = types.SimpleNamespace(n_layers=2, fp8_margin=0, **sizes, **recipe)  # a reader's own
+    cfg = model_cell["cfg"]
     torch.manual_seed(0)
     model = model_cell["CausalLM"](cfg, CPU)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = (3 * torch.arange(33) + torch.arange(8)[:, None]) % 50  # 8 sequences, stride 3
+    tokens = (3 * torch.arange(cfg.seq_len + 1) + torch.arange(8)[:, None]) % cfg.vocab_size
     before = model.head.weight.detach().clone()
     loss = step_cell["train_step"](model, tokens, optimizer, recipe_cell["delayed_scaling"](cfg))
     assert torch.isfinite(loss) and not torch.equal(before, model.head.weight)
@@ -369,14 +377,11 @@ def paste_and_train(texts, lesson_folder, monkeypatch):
     return state_cell["print_fp8_state"](model)
 
 
-def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(
-    nb, tmp_path, monkeypatch, capsys
-):
-    """No object of the notebook's: te, DelayedScaling and Format come from the file a CPU
+def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(nb, monkeypatch, capsys):
+    """No object of the notebook's: te, DelayedScaling, Format and cfg come from the file a CPU
     reader imports them from, and everything else from each cell's own import lines."""
-    nb.write_lesson_module(tmp_path / "fp8_lesson.py")
-    rows = paste_and_train(copy_cells(), tmp_path, monkeypatch)
-    assert READER_TE in " ".join(markdown_cell("## 6. The model").split())
+    rows = paste_and_train(copy_cells(), monkeypatch)
+    assert READER in " ".join(markdown_cell("## 6. The model").split())
     printed = capsys.readouterr().out
     assert len(rows) == 3 * 4 * 2  # 3 roles x 4 GEMMs a layer x 2 layers (the head is not FP8)
     for row in rows:  # every FP8 tensor printed with its amaxes and its scale
@@ -385,12 +390,27 @@ def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(
         assert f"{row['scale']:.3e}" in line and f"{row['window_max']:.3g}" in line
 
 
+def test_a_readers_script_runs_the_copy_cells_in_a_fresh_process_beside_the_shipped_file(tmp_path):
+    """Issue 58: from a fresh clone, without a Run all: the shipped fp8_lesson.py, section 6's
+    line, the cells as they are, one after another, then a step and the FP8 state printed."""
+    (tmp_path / LESSON.name).write_text(LESSON.read_text())
+    script = tmp_path / "reader.py"
+    script.write_text("\n\n".join([READER, *copy_cells(), USE_THEM]))
+    command = [sys.executable, script]
+    run = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    loss = float(next(line for line in run.stdout.splitlines() if line.startswith("loss "))[5:])
+    assert 0 < loss < 10
+    assert sum(line.startswith("layers.") for line in run.stdout.splitlines()) == 3 * 4 * 2
+
+
 @pytest.mark.parametrize(
     "cell, line", IMPORTS, ids=[f"{COPY_CELLS[i]} {line}" for i, line in IMPORTS]
 )
-def test_each_import_line_of_the_copy_cells_is_needed(nb, tmp_path, monkeypatch, cell, line):
-    nb.write_lesson_module(tmp_path / "fp8_lesson.py")
+def test_each_import_line_of_the_copy_cells_is_needed(nb, monkeypatch, cell, line):
     texts = copy_cells()
     texts[cell] = texts[cell].replace(line + "\n", "", 1)
     with pytest.raises(NameError):
-        paste_and_train(texts, tmp_path, monkeypatch)
+        paste_and_train(texts, monkeypatch)

@@ -575,7 +575,7 @@ def test_fp8_tensors_lists_the_stand_ins_gemms_where_te_is_te(nb, cfg, tmp_path)
         with nb.reference_autocast(recipe=nb.ReferenceRecipe(amax_history_len=16)):
             model(torch.zeros(2, 8, dtype=torch.long))
     assert len(list(nb.fp8_tensors(model))) == 3 * 4 * cfg.n_layers
-    nb.write_lesson_module(tmp_path / "fp8_lesson.py")  # the twins joined after FP8_GEMMS
+    nb.write_lesson_module(tmp_path / "fp8_lesson.py", cfg)  # the twins joined after FP8_GEMMS
     lesson = (tmp_path / "fp8_lesson.py").read_text()
     assert lesson.index("FP8_GEMMS = (") < lesson.index("FP8_GEMMS += (TwinModule,)")
 
