@@ -248,6 +248,7 @@ class TwinModule(nn.Module):  # TE's fp8_meta, FP8 GEMMs in the stand-in's autoc
 
     def gemm(self, x, weight, bias, index):
         fp8 = ACTIVE_FP8.get()  # None outside the stand-in's FP8 autocast
+        self.fp8_meta["fp8_checkpoint"] = fp8 is not None  # as TE's, at every forward (10.7)
         return fp8.linear(self, x, weight, bias, index) if fp8 else F.linear(x, weight, bias)
 
 
@@ -551,9 +552,9 @@ def same_on_every_rank(model):  # [FP8 state, weights]: bitwise the same on ever
 import pickle
 
 
-def twin_extra_state(module):  # the stand-in's get_extra_state: TE's format and keys
-    if "recipe" not in (meta := module.fp8_meta):  # never ran in FP8: empty, as TE's
-        return torch.empty(0, dtype=torch.uint8)
+def twin_extra_state(module):  # the stand-in's get_extra_state: TE's format, keys and rule:
+    if not (meta := module.fp8_meta).get("fp8_checkpoint") or "recipe" not in meta:  # empty
+        return torch.empty(0, dtype=torch.uint8)  # unless the last forward ran in FP8 (or a load)
     extra = {"num_gemms": module.num_gemms, "fp8_checkpoint": True}  # as TE's, after FP8 steps
     state = {"recipe": meta["recipe"], "extra_fp8_variables": extra}
     for d, s in (("fwd", meta["scaling_fwd"]), ("bwd", meta["scaling_bwd"])):  # on the CPU
@@ -569,7 +570,7 @@ def load_twin_extra_state(module, state):  # set_extra_state; unpickling runs co
         history = state[f"amax_history_{d}"]
         s = module.fp8_meta[f"scaling_{d}"] = fp8_state(history.shape[1], len(history), device)
         s.scale, s.amax_history = state[f"scale_{d}"].to(device), history.to(device)
-    module.fp8_meta.update(recipe=state["recipe"], num_gemms=module.num_gemms)
+    module.fp8_meta.update(state["extra_fp8_variables"], recipe=state["recipe"])  # as TE's
 
 
 TwinModule.get_extra_state, TwinModule.set_extra_state = twin_extra_state, load_twin_extra_state

@@ -206,7 +206,7 @@ def test_every_used_slot_updates_once_per_step_in_both_directions(nb, cfg):
             assert (history[-(step + 1) :] > 0).all(), label  # one new amax per step
             assert (history[1 : -(step + 1)] == 0).all(), label
             assert s.scale[slot] != 1.0, label
-    for module in (m for m in model.modules() if getattr(m, "fp8_meta", None)):
+    for module in (m for m in model.modules() if "scaling_fwd" in getattr(m, "fp8_meta", {})):
         assert (module.fp8_meta["scaling_fwd"].amax_history[:, 2::3] == 0).all()  # output slots
 
 

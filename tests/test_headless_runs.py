@@ -164,6 +164,7 @@ def test_headless_resume_is_bitwise_and_without_its_fp8_state_flushes_once(headl
     the same checkpoint without its FP8 state, the first step flushes far more than the next."""
     resume = headless[0]["experiments"]["checkpoint_resume"]
     assert resume["status"] == "ran" and resume["bitwise_same"] is True
+    assert resume["fp8_states_after_eval"] == 0  # issue 58: saved after an evaluation, as TE
     (_, _, first_flushed), (_, _, next_flushed) = resume["without_fp8_state"][:2]
     assert first_flushed > 10 * next_flushed
 

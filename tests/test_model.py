@@ -241,39 +241,76 @@ def test_without_its_fp8_state_a_loaded_model_casts_differently(nb, cfg):
     assert not torch.equal(logits[0], logits[1])
 
 
-def test_a_checkpoint_resumes_bitwise_and_not_without_its_fp8_state(nb, cfg, tmp_path):
-    """Issue 46: 3 FP8 steps, save_checkpoint, a new model and optimizer, load_checkpoint, 3 more
-    steps: bitwise 6 steps straight; the same checkpoint with each `_extra_state` emptied (as a
-    model never run in FP8 saves it) restarts every scale at 1, and is not."""
-    recipe, data = nb.delayed_scaling(cfg), torch.Generator().manual_seed(0)
-    batches = [nb.training_batch(cfg, data) for _ in range(6)]
+def test_a_checkpoint_resumes_section_7s_loop_bitwise_and_not_without_its_fp8_state(
+    nb, cfg, tmp_path
+):
+    """Issues 46 and 58: 8 FP8 steps of section 7's loop (AdamW, the warm-up then cosine schedule,
+    batches from one generator), stopped after 3, saved, loaded into new objects, then the rest:
+    bitwise 8 steps straight. The same checkpoint with each `_extra_state` emptied (as a model
+    saves it after a forward outside te.autocast) restarts every scale at 1, and is not; without
+    the scheduler's state the resumed run leaves the straight one (issue 58 found it at step 9)."""
+    recipe, path, total = nb.delayed_scaling(cfg), tmp_path / "checkpoint.pt", 8
 
     def build():
         model = twin(nb, cfg)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return (
+            model,
+            *nb.optimizer_and_schedule(model, cfg, total),
+            torch.Generator().manual_seed(0),
+        )
 
-    def train(model, optimizer, part):
-        return [nb.train_step(model, batch, optimizer, recipe).item() for batch in part]
+    def train(loop, stop, start=0):
+        model, optimizer, schedule, data = loop
+        losses = []
+        for _ in range(start, stop):
+            losses.append(
+                nb.train_step(model, nb.training_batch(cfg, data), optimizer, recipe).item()
+            )
+            schedule.step()
+        return losses
 
-    straight, optimizer = build()
-    losses, path = train(straight, optimizer, batches), tmp_path / "checkpoint.pt"
-    for keep_fp8_state in (True, False):
-        model, optimizer = build()
-        resumed = train(model, optimizer, batches[:3])
-        nb.save_checkpoint(path, model, optimizer, step=3)
-        if not keep_fp8_state:
-            state = torch.load(path)
+    straight = build()
+    losses = train(straight, total)
+    for kept in ("everything", "no FP8 state", "no scheduler state"):
+        loop = build()
+        resumed = train(loop, 3)
+        nb.save_checkpoint(path, *loop, step=3)
+        state = torch.load(path)
+        if kept == "no FP8 state":
             empty = torch.empty(0, dtype=torch.uint8)
             state["model"] = {
-                k: empty if k.endswith("_extra_state") else v for k, v in state["model"].items()
+                k: empty if "_extra_state" in k else v for k, v in state["model"].items()
             }
-            torch.save(state, path)
-        model, optimizer = build()
-        resumed += train(model, optimizer, batches[nb.load_checkpoint(path, model, optimizer) :])
-        pairs = zip(*map(nb.fp8_state_and_weights, (straight, model)), strict=True)
+        if kept == "no scheduler state":
+            state["scheduler"] = build()[2].state_dict()  # a new schedule's: step 0
+        torch.save(state, path)
+        loop = build()
+        resumed += train(loop, total, nb.load_checkpoint(path, *loop))
+        pairs = zip(*map(nb.fp8_state_and_weights, (straight[0], loop[0])), strict=True)
         same = resumed == losses and all(torch.equal(a, b) for a, b in pairs)
-        assert same is keep_fp8_state
-        assert (resumed[3:] == losses[3:]) is keep_fp8_state  # the steps after the resume
+        assert same is (kept == "everything"), kept
+        assert loop[2].get_last_lr() == straight[2].get_last_lr() or kept == "no scheduler state"
+
+
+def test_after_an_evaluation_outside_autocast_the_stand_in_saves_no_fp8_state_as_te(nb, cfg):
+    """Issue 58: TE saves a module's FP8 state only if its last forward ran inside te.autocast
+    (module/base.py: init_fp8_metadata sets fp8_meta["fp8_checkpoint"] at every forward, and
+    get_extra_state returns an empty tensor while it is False; the TE stage runs TE's side). The
+    stand-in now follows: its GEMM modules save their state after FP8 steps, none after one
+    forward outside the autocast, and all again after one more inside it."""
+    model, recipe = fp8_trained(nb, cfg)
+    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(1))[:, :-1]
+
+    def saving_fp8_state():
+        return sum(v.numel() > 0 for k, v in model.state_dict().items() if "_extra_state" in k)
+
+    assert saving_fp8_state() == 3 * cfg.n_layers  # QKV, proj and the MLP of each layer
+    with torch.no_grad():
+        model(tokens)
+    assert saving_fp8_state() == 0
+    with torch.no_grad(), nb.reference_autocast(recipe=recipe):
+        model(tokens)
+    assert saving_fp8_state() == 3 * cfg.n_layers
 
 
 def test_without_its_fp8_state_only_the_first_step_after_a_resume_casts_at_scale_1(nb, cfg):

@@ -531,6 +531,26 @@ def tes_fp8_init_on_each_module(model, recipe, hidden, heads):
         model.layers, model.final_norm = layers, norm
 
 
+def test_after_a_forward_outside_te_autocast_te_saves_no_fp8_state(nb, cfg):
+    """Issue 58, 10.7's pitfall in TE's own code: each GEMM module's FP8 init under te.autocast
+    (tes_fp8_init_on_each_module) sets fp8_meta["fp8_checkpoint"]; init_fp8_metadata outside
+    it, as every forward there runs it (prepare_forward), clears it, and TE's get_extra_state
+    then returns an empty tensor: no FP8 state in the checkpoint. (With the flag set,
+    get_extra_state syncs the GPU: not run here.) The main suite checks the stand-in's match."""
+    with cuda_device():
+        model = nb.CausalLM(cfg, CPU)
+    hidden = torch.zeros(2, cfg.seq_len, cfg.d_model)
+    tes_fp8_init_on_each_module(model, nb.delayed_scaling(cfg), hidden, cfg.n_heads)
+    gemm_types = (te.Linear, te.LayerNormLinear, te.LayerNormMLP)
+    gemms = [m for m in model.layers.modules() if isinstance(m, gemm_types)]
+    assert len(gemms) == 3 * cfg.n_layers and all(m.fp8_meta["fp8_checkpoint"] for m in gemms)
+    with cuda_device():
+        for module in gemms:
+            module.init_fp8_metadata()  # TE's, as a forward outside te.autocast calls it
+            assert module.fp8_meta["fp8_checkpoint"] is False
+            assert module.get_extra_state().numel() == 0
+
+
 def test_the_notebook_reads_each_fp8_tensor_from_the_slot_te_gives_it_and_skips_attention(nb, cfg):
     """fp8_tensors labels slot 3k (3k+1) of the forward state as GEMM k's input (weight), slot 2k
     of the backward state as its incoming gradient: TE's own enums and each module's quantizer
