@@ -206,7 +206,9 @@ def test_the_whole_notebook_does_not_grow():
     attention (+3), 10.11's full-precision log and the harness's SystemExit (+10). Issue 58
     allows 25 more (1,649) for what a new user hit: FP8 decoding pads rows, not the length (+0);
     fp8_lesson.py gets cfg (+2); 10.7's checkpoint keeps the scheduler and the batch generator,
-    and its check runs section 7's schedule and saves after an evaluation too (+10)."""
+    and its check runs section 7's schedule and saves after an evaluation too (+10); 10.11's
+    layer search calls a change measurable at 1% of the loss, and gives shares only of such a gap
+    (+6)."""
     assert sum(len(code_lines(c)) for c in code_cells()) <= 1649
 
 
@@ -412,11 +414,27 @@ def test_the_first_thing_the_notebook_prints_is_not_an_error():
 
 
 def test_10_2s_choice_quotes_the_saved_runs_own_numbers():
-    """Issue 47: each `mean [min, max]` the markdown after the head's measurement cites is one the
-    saved run printed (so the choice it states is the run's), and it cites all six."""
-    printed, text = printed_before(saved()["cells"], "The choice, from the saved")
-    cited = re.findall(r"\d+\.\d+ \[\d+\.\d+, \d+\.\d+\]", text)
-    assert len(cited) == 6 and all(number in printed for number in cited), cited
+    assert_10_2s_reading_holds(saved()["cells"])
+
+
+def assert_10_2s_reading_holds(cells):
+    """Issues 47 and 58: the markdown after the head's measurement quotes its means, rounded
+    ("about"), and its verdicts: those of the run in `cells` (the saved one; in the headless
+    tests, runs at one and two threads, which must not contradict it)."""
+    printed, text = printed_before(cells, "The choice, from the saved")
+    means = {  # per setting: loss, logits SQNR, head's dW SQNR
+        name: [float(x) for x in re.findall(r"(\d+\.\d+) \[", line)]
+        for line in printed.splitlines()
+        for name in ("FP8 everywhere", "FP8 but the head")
+        if re.match(f"{name} +\\d", line)
+    }
+    (every, head) = means.values()
+    assert f"{every[0]:.1f}" == f"{head[0]:.1f}" and f"about {every[0]:.1f} with" in text
+    assert f"about {head[2]:.0f} dB against {every[2]:.0f}" in text
+    assert f"about {head[1]:.0f} against {every[1]:.0f}" in text
+    (verdict,) = [line for line in printed.splitlines() if line.startswith("The head out of FP8")]
+    assert verdict.count("inside the spread") == 1 and "(inside the spread);" in verdict  # loss
+    assert "differs inside the spread" in text and "both outside the spread" in text
 
 
 def test_the_stated_run_time_is_the_saved_runs_own():
@@ -433,7 +451,8 @@ def test_the_stated_run_time_is_the_saved_runs_own():
     # 40 after; the save 42 s). Saves of the same code vary by up to 25% with the machine's load,
     # and by machine: issue 57's (a 2-core AMD EPYC, AVX2 only; FP32 training 4.6 s, not 3.3)
     # saved issue 48's final code in 57 s and its own in 53 s, quiet. So 60 s, on either machine.
-    assert int(took) <= 60
+    # Issue 58's target, 50 s: its saves took 36 to 46 s on an Intel Xeon (AVX-512, 2 threads).
+    assert int(took) <= 50
 
 
 def test_the_first_screen_says_what_colab_collapses_and_where_the_lesson_starts():
@@ -462,23 +481,22 @@ def printed_before(cells, markdown_start):
 
 
 def test_10_11s_readings_are_the_saved_runs_own():
-    """Issue 48: the markdown after each of 10.11's experiments says what the saved run printed."""
-    cells = saved()["cells"]
+    assert_10_11s_readings_hold(saved()["cells"])
+
+
+def assert_10_11s_readings_hold(cells):
+    """Issues 48 and 58: the markdown after each of 10.11's experiments says what the run in
+    `cells` printed: the saved run's, and (the headless tests) a run's at one and two threads.
+    The layer search gives no shares of a gap that is not measurable (at TRAIN_STEPS=5 it printed
+    shares of 204% and -151%; its per-layer shares moved with the CPU and the thread count)."""
     printed, text = printed_before(cells, "From the saved CPU run: step 1 casts")
     rows = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if "%" in line[:32]}
     under, current = ([float(v) for v in rows[s]] for s in FLUSHED)
     assert f"flushes {rows['underflows%'][4]}% of the gradients' values" in text  # gradient, step 1
     assert all(d <= 1.5 * c for d, c in zip(under[1::2], current[1::2], strict=True))  # later
     printed, text = printed_before(cells, "From the saved CPU run (")
+    (whole,) = re.findall(r"No layer in FP8 moves the loss ([+-]\d+\.\d+)%: none hurts", printed)
+    assert abs(float(whole)) < 1 and "moves the loss by under 1%, not measurably" in text
     layers = [line for line in printed.splitlines() if re.match(r"layers\.\d+ out", line)]
-    outside = [line.split() for line in layers if "inside the spread" not in line]
-    assert len(layers) >= 2 and all(  # each layer the run found outside its spread, quoted
-        f"`{row[0]}` out of FP8 closes {row[-1]} of the gap" in text for row in outside
-    )
-    assert outside or "no single layer out of FP8 moves the loss outside the spread" in text
-    base, whole = (
-        next(line.split() for line in printed.splitlines() if line.startswith(setting))
-        for setting in ("FP8 everywhere", "no layer in FP8")
-    )
-    base, whole = float(base[2]), float(whole[7])  # its loss; the whole gap's mean change
-    assert "The whole gap is under 1% of the loss" in text and abs(whole) < 0.01 * base
+    assert len(layers) >= 2 and all(line.endswith("(not measurable)") for line in layers)
+    assert "of the gap" not in printed and "this model has no layer that hurts" in text
