@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from notebook_source import NOTEBOOK, outputs_text
+from notebook_source import NOTEBOOK, README, outputs_text
 from test_notebook import assert_10_2s_reading_holds, assert_10_11s_readings_hold
 
 SUMMARY_KEYS = (
@@ -71,6 +71,13 @@ def test_every_verdict_holds_at_one_and_two_threads_and_as_the_saved_run_says(he
 def test_headless_run_writes_every_summary_key(headless):
     summary, _ = headless
     assert set(summary) == set(SUMMARY_KEYS)
+
+
+def test_the_readme_lists_every_summary_key_and_no_other(headless):
+    summary, _ = headless
+    paragraph = README.read_text().split("With `RESULTS_JSON` set")[1].split("\n\n")[0]
+    statuses = {"status", "ran", "skipped", "failed", "reason"}  # each experiment's
+    assert set(re.findall(r"`(\w+)`", paragraph)) - statuses == set(summary)
 
 
 def test_headless_run_learns_the_task(headless):

@@ -368,6 +368,18 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in (REPO / ".ci" / "run").read_text()
 
 
+def test_the_readme_says_what_a_newcomer_needs_in_170_lines():
+    """Issue 58: no history, what the commands download and PyTorch's CPU build instead, the one
+    skipped test, and the files a run leaves (the keys of RESULTS_JSON: test_headless_runs)."""
+    readme = README.read_text()
+    assert len(readme.splitlines()) <= 170
+    assert not re.search(r"(went|added|became|until) [^.]*\b20\d\d\b", readme)  # no history
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "**The one skipped test** is `tests/te_stage/`" in readme
+    for name in ("fp8_checkpoint.pt", "fp8_lesson.py", "fp8_ddp.py"):
+        assert f"`{name}`" in readme.split("**Files a run leaves**")[1].split("\n\n")[0]
+
+
 def test_the_prose_states_the_flush_thresholds_the_notebook_computes(nb):
     """Section 4 and 10.3 say how far below its maximum each format flushes; fp8_layout says it."""
     prose = " ".join(source(c) for c in notebook_cells() if c["cell_type"] == "markdown")
