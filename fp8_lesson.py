@@ -552,7 +552,7 @@ def same_on_every_rank(model):  # [FP8 state, weights]: bitwise the same on ever
 import pickle
 
 
-def twin_extra_state(module):  # the stand-in's get_extra_state: TE's format, keys and rule:
+def twin_extra_state(module):  # the stand-in's get_extra_state: TE's format and rule:
     if not (meta := module.fp8_meta).get("fp8_checkpoint") or "recipe" not in meta:  # empty
         return torch.empty(0, dtype=torch.uint8)  # unless the last forward ran in FP8 (or a load)
     extra = {"num_gemms": module.num_gemms, "fp8_checkpoint": True}  # as TE's, after FP8 steps

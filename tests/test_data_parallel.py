@@ -110,7 +110,8 @@ def test_the_shipped_fp8_lesson_is_what_a_default_run_writes_from_the_notebooks_
     what 10.9 writes at the defaults, so neither the script nor a reader's cells can drift."""
     nb.write_lesson_module(tmp_path / "fp8_lesson.py", nb.check_parameters(defaults))
     text = (tmp_path / "fp8_lesson.py").read_text()
-    assert LESSON.read_text() == text, "stale: run tests/save_outputs.py"
+    stale = "stale (run tests/save_outputs.py), or a run's with other parameters (git checkout it)"
+    assert LESSON.read_text() == text, stale
     for piece in ("class CausalLM(", "def train_step(", "def same_on_every_rank(", "def using("):
         (cell,) = [c for c in notebook_cells("defs") if piece in source(c)]
         assert source(cell) in text  # the whole cell, verbatim

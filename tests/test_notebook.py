@@ -441,9 +441,14 @@ def assert_10_2s_reading_holds(cells):
         if re.match(f"{name} +\\d", line)
     }
     (every, head) = means.values()
-    assert f"{every[0]:.1f}" == f"{head[0]:.1f}" and f"about {every[0]:.1f} with" in text
-    assert f"about {head[2]:.0f} dB against {every[2]:.0f}" in text
-    assert f"about {head[1]:.0f} against {every[1]:.0f}" in text
+    loss = re.search(r"about ([\d.]+) with FP8 everywhere and with the head out", text)
+    pattern = (
+        r"nearer FP32, about (\d+) dB against (\d+), and the logits too, about (\d+) against (\d+)"
+    )
+    quoted = [float(loss[1])] * 2 + [float(x) for x in re.search(pattern, text).groups()]
+    measured = every[0], head[0], head[2], every[2], head[1], every[1]
+    near = [0.05] * 2 + [0.75] * 4  # "about": the quoted rounding, with room for another CPU
+    assert all(abs(q - x) < d for q, x, d in zip(quoted, measured, near, strict=True)), quoted
     (verdict,) = [line for line in printed.splitlines() if line.startswith("The head out of FP8")]
     assert verdict.count("inside the spread") == 1 and "(inside the spread);" in verdict  # loss
     assert "differs inside the spread" in text and "both outside the spread" in text
@@ -507,8 +512,8 @@ def assert_10_11s_readings_hold(cells):
     assert f"flushes {rows['underflows%'][4]}% of the gradients' values" in text  # gradient, step 1
     assert all(d <= 1.5 * c for d, c in zip(under[1::2], current[1::2], strict=True))  # later
     printed, text = printed_before(cells, "From the saved CPU run (")
-    (whole,) = re.findall(r"No layer in FP8 moves the loss ([+-]\d+\.\d+)%: none hurts", printed)
+    (whole,) = re.findall(r"No layer in FP8: the loss moves ([+-]\d+\.\d+)%; none hurts", printed)
     assert abs(float(whole)) < 1 and "moves the loss by under 1%, not measurably" in text
     layers = [line for line in printed.splitlines() if re.match(r"layers\.\d+ out", line)]
     assert len(layers) >= 2 and all(line.endswith("(not measurable)") for line in layers)
-    assert "of the gap" not in printed and "this model has no layer that hurts" in text
+    assert "of the gap" not in printed and "has no layer that costs 1% of the loss" in text
