@@ -384,15 +384,16 @@ torch.manual_seed(0)
 model = CausalLM(cfg, "cpu")
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 tokens = (3 * torch.arange(cfg.seq_len + 1) + torch.arange(8)[:, None]) % cfg.vocab_size
+before = model.head.weight.detach().clone()
 loss = train_step(model, tokens, optimizer, delayed_scaling(cfg))
 print(f"loss {loss.item()}")
 rows = print_fp8_state(model)
-"""
+"""  # a reader's use of the copy cells: the model built, one FP8 step, its FP8 state printed
 
 
 def paste_and_train(texts, monkeypatch):
     """Each copy cell pasted into a reader's fresh notebook on a CPU: section 6's line, then the
-    cell with its own first lines; the model built, one FP8 step taken, its FP8 state printed."""
+    cell with its own first lines; then USE_THEM, with what the cells defined."""
     monkeypatch.syspath_prepend(str(LESSON.parent))
     monkeypatch.delitem(sys.modules, "fp8_lesson", raising=False)
     pasted = []
@@ -401,17 +402,14 @@ def paste_and_train(texts, monkeypatch):
         exec(READER, reader)  # noqa: S102
         exec(text, reader)  # noqa: S102 the notebook's own cells, each in its own notebook
         pasted.append(reader)
-    model_cell, step_cell, recipe_cell, state_cell = pasted
-    cfg = model_cell["cfg"]
-    torch.manual_seed(0)
-    model = model_cell["CausalLM"](cfg, CPU)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = (3 * torch.arange(cfg.seq_len + 1) + torch.arange(8)[:, None]) % cfg.vocab_size
-    before = model.head.weight.detach().clone()
-    loss = step_cell["train_step"](model, tokens, optimizer, recipe_cell["delayed_scaling"](cfg))
-    assert torch.isfinite(loss) and not torch.equal(before, model.head.weight)
+    names = ("CausalLM", "train_step", "delayed_scaling", "print_fp8_state")  # one a cell
+    defined = zip(pasted, names, strict=True)
+    used = {"torch": torch, "cfg": pasted[0]["cfg"]} | {name: cell[name] for cell, name in defined}
+    exec(USE_THEM, used)  # noqa: S102 each function keeps its own cell's globals
+    model, loss = used["model"], used["loss"]
+    assert torch.isfinite(loss) and not torch.equal(used["before"], model.head.weight)
     assert model.head.weight.grad is None  # the step zeroed the gradients, set to None
-    return state_cell["print_fp8_state"](model)
+    return used["rows"]
 
 
 def test_the_copy_cells_paste_as_they_are_into_a_readers_notebook(nb, monkeypatch, capsys):

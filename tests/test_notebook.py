@@ -206,7 +206,7 @@ def test_the_whole_notebook_does_not_grow():
     attention (+3), 10.11's full-precision log and the harness's SystemExit (+10). Issue 58
     allows 25 more (1,649) for what a new user hit: FP8 decoding pads rows, not the length (+0);
     fp8_lesson.py gets cfg (+2); 10.7's checkpoint keeps the scheduler and the batch generator,
-    and its check runs section 7's schedule and saves after an evaluation too (+10); 10.11's
+    and its check runs section 7's schedule and saves after an evaluation too (+12); 10.11's
     layer search calls a change measurable at 1% of the loss, and gives shares only of such a gap
     (+6)."""
     assert sum(len(code_lines(c)) for c in code_cells()) <= 1649
