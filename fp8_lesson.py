@@ -430,7 +430,7 @@ def reference_autocast(enabled=True, recipe=None, amax_reduction_group=None):  #
         yield
     finally:
         ACTIVE_FP8.reset(token)
-    if isinstance(fp8, ReferenceFP8) and torch.is_grad_enabled():  # as TE, at the exit:
+    if isinstance(fp8, ReferenceFP8) and torch.is_grad_enabled():  # as TE (autocast_exit):
         fp8.update("scaling_fwd", "forward")  # the forward scales
 
 

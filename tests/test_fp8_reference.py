@@ -211,6 +211,9 @@ def test_every_used_slot_updates_once_per_step_in_both_directions(nb, cfg):
 
 
 def test_without_gradients_no_scale_updates_but_row_0_keeps_the_amax_as_tes_casts_do(nb, cfg):
+    """TE 2.20.2: the forward update runs at the outermost te.autocast exit only with gradients
+    on (quantization.py autocast_exit, ~779); its quantizers' amax is a view of row 0 of the
+    history (make_quantizers, ~1449), where every cast max-accumulates, gradients or not."""
     model = tiny_model(nb, cfg)
     fp8_step(nb, cfg, model)
     before = [(s.amax_history.clone(), s.scale.clone()) for _, s, *_ in nb.fp8_tensors(model)]
@@ -391,3 +394,24 @@ def test_a_run_no_tracker_reads_takes_no_statistics_and_a_tracked_one_its_first_
             nan = {tuple(s.stats[:, i].isnan().tolist()) for _, s, i, _ in nb.fp8_tensors(model)}
             assert nan == {(False,) * taken + (True,) * (len(nb.REFERENCE_STATS) - taken)}
     assert nb.STATS_TAKEN == 2  # and after the run, the default again
+
+
+def test_generation_inside_fp8_state_kept_leaves_the_state_bitwise_and_bare_it_does_not(nb, cfg):
+    """Issue 59, 10.12, on the reference's real casts: section 9's generation fills row 0; inside
+    fp8_state_kept it leaves every scale and history as it was; the next step folds row 0 in."""
+    model, recipe = tiny_model(nb, cfg), nb.ReferenceRecipe(amax_history_len=16)
+    fp8_step(nb, cfg, model)
+    before = [t.clone() for t in nb.fp8_state_and_weights(model)]
+    prompts = nb.training_batch(cfg, torch.Generator().manual_seed(1))[:, :8]
+    with nb.using(nb.standin), nb.fp8_state_kept(model):
+        nb.generate_greedy(model, prompts, 4, recipe)
+    after = nb.fp8_state_and_weights(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    with nb.using(nb.standin):
+        nb.generate_greedy(model, prompts, 4, recipe)
+    rows = [s.amax_history[0, i] for _, s, i, d in nb.fp8_tensors(model) if d == "forward"]
+    assert all(row > 0 for row in rows) and torch.is_grad_enabled()
+    staged = [s.amax_history[0].clone() for _, s, *_ in nb.fp8_tensors(model)]
+    fp8_step(nb, cfg, model)  # the next step: row 0 went to the last row, max'd with the step's
+    for (_, s, i, _), row in zip(nb.fp8_tensors(model), staged, strict=True):
+        assert s.amax_history[-1, i] >= row[i]

@@ -8,7 +8,11 @@ import sys
 
 import pytest
 from notebook_source import NOTEBOOK, README, outputs_text
-from test_notebook import assert_10_2s_reading_holds, assert_10_11s_readings_hold
+from test_notebook import (
+    assert_10_2s_reading_holds,
+    assert_10_11s_readings_hold,
+    assert_10_12s_readings_hold,
+)
 
 SUMMARY_KEYS = (
     "plan device initial_loss final_loss train_steps train_seconds stride_token_accuracy "
@@ -70,6 +74,7 @@ def test_every_verdict_holds_at_one_and_two_threads_and_as_the_saved_run_says(he
         assert verdicts(cells) == verdicts(saved), name
         assert_10_2s_reading_holds(cells)
         assert_10_11s_readings_hold(cells)
+        assert_10_12s_readings_hold(cells)
 
 
 def test_headless_run_writes_every_summary_key(headless):
@@ -146,6 +151,7 @@ def test_headless_run_records_every_experiment(headless):
         "checkpoint_resume",
     }
     ran |= {"recipes_on_real_tensors", "fp8_estimate", "fp8_health", "layer_by_layer"}
+    ran |= {"generation_and_fp8_state"}
     needs_gpu = {"te_vs_standin", "fp8_weights"}
     needs_gpu |= {"te_quantizers_vs_references", "benchmark", "data_parallel_script"}
     assert set(experiments) == ran | needs_gpu

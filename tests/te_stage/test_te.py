@@ -947,3 +947,41 @@ def test_a_second_te_debug_session_logs_only_to_its_own_files(nb):
     assert nb.read_stats_log(first) == {} and len(nb.read_stats_log(second)) == 1
     loggers = ("nvdlfw_inspect", "Default Statistics")  # nvdlfw_inspect/logging.py's
     assert not any(logging.getLogger(name).handlers for name in loggers)
+
+
+def test_tes_autocast_exit_updates_the_forward_scales_only_outermost_and_with_gradients_on():
+    """Issue 59, 10.12: TE's own autocast_exit (quantization.py, ~779: `enabled and
+    autocast_depth == 0 and not _graph and torch.is_grad_enabled()`) decides when the forward
+    amaxes are reduced and the scales updated. The update itself runs TE's fused kernel (a GPU):
+    it is replaced by a recorder, and the decision is TE's."""
+    manager, recipe = quantization.FP8GlobalStateManager, te_recipes.DelayedScaling()
+    with cuda_device(), mock.patch.object(manager, "reduce_and_update_fp8_tensors") as update:
+        with torch.no_grad(), te.autocast(recipe=recipe):  # evaluation, generation
+            pass
+        with torch.enable_grad(), te.autocast(recipe=recipe):
+            with te.autocast(recipe=recipe):  # an inner exit is not the outermost
+                pass
+            assert update.call_count == 0
+    assert update.call_args_list == [mock.call(forward=True)]  # eval() is no part of it
+
+
+def test_fp8_state_kept_puts_back_the_row_tes_quantizers_write_their_amaxes_into(nb, cfg):
+    """Issue 59, 10.12: each DelayedScaling quantizer's amax is a view of row 0 of its module's
+    amax history (make_quantizers, quantization.py ~1449), where TE's casts max-accumulate,
+    with or without gradients. A cast needs a GPU, so the amax is written where its kernel
+    writes it, into the quantizer's amax. fp8_state_kept puts row 0 back in place: the history
+    and TE's quantizers read the row as it was."""
+    with cuda_device():
+        model = nb.CausalLM(cfg, CPU)
+    hidden = torch.zeros(2, cfg.seq_len, cfg.d_model)
+    tes_fp8_init_on_each_module(model, nb.delayed_scaling(cfg), hidden, cfg.n_heads)
+    gemms = [m for m in model.layers.modules() if isinstance(m, nb.FP8_GEMMS)]
+    quantizers = [q for m in gemms for q in m.quantizers["scaling_fwd"]]
+    rows = [m.fp8_meta["scaling_fwd"].amax_history[0] for m in gemms]
+    assert len(gemms) == 3 * cfg.n_layers and all((row == 0).all() for row in rows)
+    with nb.fp8_state_kept(model):
+        for q in quantizers:
+            q.amax.fill_(3.0)  # as a cast's kernel would
+        assert all((row == 3.0).all() for row in rows)  # the history's row 0 is the same memory
+        assert not torch.is_grad_enabled()
+    assert all((row == 0).all() for row in rows) and all(q.amax.item() == 0 for q in quantizers)
