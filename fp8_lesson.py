@@ -210,10 +210,10 @@ class CausalLM(nn.Module):
         vocab = -(-cfg.vocab_size // 16) * 16 if fp8_head else cfg.vocab_size  # rounded up to 16s
         self.head = te.Linear(cfg.d_model, vocab, **kw)
 
-    def forward(self, idx):  # idx: (B, T) token ids
+    def forward(self, idx, is_first_microbatch=None):  # idx: (B, T) token ids; the flag: 10.12
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for layer in self.layers:
-            x = layer(x)  # (B, T, D) throughout: the "bshd" layout
+            x = layer(x, is_first_microbatch=is_first_microbatch)  # (B, T, D): "bshd"
         if self.fp8_head:  # the padding's logits never reach the loss or generation
             return self.head(self.final_norm(x))[..., : self.vocab_size]
         recipe = te.quantization.FP8GlobalStateManager.get_fp8_recipe()  # the surrounding one,
@@ -246,8 +246,8 @@ class TwinModule(nn.Module):  # TE's fp8_meta, FP8 GEMMs in the stand-in's autoc
             return x
         return F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps)
 
-    def gemm(self, x, weight, bias, index):
-        fp8 = ACTIVE_FP8.get()  # None outside the stand-in's FP8 autocast
+    def gemm(self, x, weight, bias, index, is_first_microbatch=None):  # the flag: as TE's (10.12)
+        fp8, self.is_first_microbatch = ACTIVE_FP8.get(), is_first_microbatch  # fp8: None outside
         self.fp8_meta["fp8_checkpoint"] = fp8 is not None  # as TE's, at every forward (10.7)
         return fp8.linear(self, x, weight, bias, index) if fp8 else F.linear(x, weight, bias)
 
@@ -264,8 +264,8 @@ class TwinLinear(TwinModule):  # te.Linear; with `eps`, te.LayerNormLinear (a La
         self.weight = te_parameter(out_features, in_features, **kw)
         self.bias = te_parameter(out_features, fill=0.0, **kw)
 
-    def forward(self, x):
-        return self.gemm(self.norm(x), self.weight, self.bias, 0)
+    def forward(self, x, is_first_microbatch=None):
+        return self.gemm(self.norm(x), self.weight, self.bias, 0, is_first_microbatch)
 
 
 class TwinLayerNormMLP(TwinModule):  # te.LayerNormMLP: LayerNorm, fc1, GELU (tanh, as TE's), fc2
@@ -276,9 +276,10 @@ class TwinLayerNormMLP(TwinModule):  # te.LayerNormMLP: LayerNorm, fc1, GELU (ta
         self.fc2_weight = te_parameter(hidden, ffn_hidden, **kw)
         self.fc2_bias = te_parameter(hidden, fill=0.0, **kw)
 
-    def forward(self, x):
-        x = F.gelu(self.gemm(self.norm(x), self.fc1_weight, self.fc1_bias, 0), approximate="tanh")
-        return self.gemm(x, self.fc2_weight, self.fc2_bias, 1)
+    def forward(self, x, is_first_microbatch=None):
+        x = self.gemm(self.norm(x), self.fc1_weight, self.fc1_bias, 0, is_first_microbatch)
+        x = F.gelu(x, approximate="tanh")
+        return self.gemm(x, self.fc2_weight, self.fc2_bias, 1, is_first_microbatch)
 
 
 class TwinTransformerLayer(nn.Module):  # te.TransformerLayer as in 6.1: pre-LN attention, MLP
@@ -293,13 +294,13 @@ class TwinTransformerLayer(nn.Module):  # te.TransformerLayer as in 6.1: pre-LN 
         self.self_attention.proj = TwinLinear(hidden, hidden, **kw)
         self.layernorm_mlp = TwinLayerNormMLP(hidden, ffn_hidden, layernorm_epsilon, **kw)
 
-    def forward(self, x):  # x: (B, T, D)
-        B, T, D = x.shape
-        qkv = self.self_attention.layernorm_qkv(x).view(B, T, 3, self.heads, D // self.heads)
+    def forward(self, x, is_first_microbatch=None):  # x: (B, T, D)
+        (B, T, D), first = x.shape, is_first_microbatch
+        qkv = self.self_attention.layernorm_qkv(x, first).view(B, T, 3, self.heads, D // self.heads)
         q, k, v = qkv.transpose(1, 3).unbind(2)  # each (B, heads, T, D / heads)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, D / heads)
-        x = x + self.self_attention.proj(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.layernorm_mlp(x)
+        x = x + self.self_attention.proj(y.transpose(1, 2).reshape(B, T, D), first)
+        return x + self.layernorm_mlp(x, first)
 
 
 # @title The FP8 reference: what each cast lost, as TE's debug tools compute it (stand-in)
@@ -350,7 +351,10 @@ class FP8Linear(torch.autograd.Function):  # y = x W^T + b; x, W cast to FP8 for
     def forward(ctx, x, weight, bias, module, index, fp8):
         state, x2d = module.fp8_meta["scaling_fwd"], x.reshape(-1, x.shape[-1])  # (tokens, in)
         x_fp8, x_inv = fp8.cast(x2d, state, 3 * index, "forward")  # slot 3k: GEMM k's input
-        w_fp8, w_inv = fp8.cast(weight, state, 3 * index + 1, "forward")  # 3k + 1: its weight
+        cache = module.__dict__.setdefault("fp8_weights", {})  # TE's weight workspace (10.12):
+        if module.is_first_microbatch is not False or index not in cache:  # linear.py, update_ws
+            cache[index] = fp8.cast(weight, state, 3 * index + 1, "forward")  # 3k + 1: weight
+        w_fp8, w_inv = cache[index]
         if not x.is_cuda:  # the CPU's GEMM takes the FP8 values in FP32: convert them once, here
             x_fp8, w_fp8 = x_fp8.float(), w_fp8.float()
         ctx.save_for_backward(x_fp8, x_inv, w_fp8, w_inv)

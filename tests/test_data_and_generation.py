@@ -58,7 +58,7 @@ class StrideOracle(torch.nn.Module):
         super().__init__()
         self.vocab = vocab
 
-    def forward(self, idx):
+    def forward(self, idx, is_first_microbatch=None):  # as section 6's CausalLM takes it
         previous = torch.cat([idx[:, :1], idx[:, :-1]], dim=1)
         return torch.nn.functional.one_hot((2 * idx - previous) % self.vocab, self.vocab).float()
 

@@ -415,3 +415,20 @@ def test_generation_inside_fp8_state_kept_leaves_the_state_bitwise_and_bare_it_d
     fp8_step(nb, cfg, model)  # the next step: row 0 went to the last row, max'd with the step's
     for (_, s, i, _), row in zip(nb.fp8_tensors(model), staged, strict=True):
         assert s.amax_history[-1, i] >= row[i]
+
+
+def test_the_stand_in_casts_the_weights_once_given_is_first_microbatch_as_tes_linear_does(nb, cfg):
+    """TE 2.20.2, linear.py: `update_ws = is_first_microbatch is None or is_first_microbatch`:
+    True casts the weights and keeps the casts, False reuses them, None casts at every forward.
+    So after a True forward, a weight changed in place does not reach a False forward's output
+    (the kept cast does), and reaches a None forward's."""
+    model, recipe = tiny_model(nb, cfg), nb.ReferenceRecipe(amax_history_len=16)
+    fp8_step(nb, cfg, model)  # scales from a step
+    tokens = nb.training_batch(cfg, torch.Generator().manual_seed(1))[:, :-1]
+    with torch.no_grad(), nb.reference_autocast(recipe=recipe):
+        cast_once = model(tokens, is_first_microbatch=True)
+        for layer in model.layers:
+            layer.layernorm_mlp.fc2_weight.mul_(2.0)
+        kept = model(tokens, is_first_microbatch=False)
+        recast = model(tokens)
+    assert torch.equal(kept, cast_once) and not torch.allclose(recast, cast_once)

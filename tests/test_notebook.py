@@ -31,7 +31,8 @@ LESSON = (
     "def update_scales(",
     "update_scales(history, scale",
 )
-LESSON += ("def fp8_tensors(", "def check_scale_update(", "def generate_greedy(", "stride_scores(")
+LESSON += ("def fp8_tensors(", "def check_scale_update(", "def generate_greedy(")
+LESSON += ("scores = stride_scores(prompts, continuations",)  # section 9's check
 
 
 def code_lines(cell):
@@ -542,3 +543,14 @@ def assert_10_12s_readings_hold(cells):
     assert float(found["their largest change pct"]) < 1 and "small here" in text
     assert found["kept next step bitwise"] == "True" and "bitwise that of a" in text
     assert found["eval then gradients rolled"] == n and "rolled every history" in text
+    printed, text = printed_before(cells, "From the saved CPU run, and at one thread: with FP8")
+    rows = re.findall(
+        r"(\w+) *: the right stride on (\S+)% of continuations, (\S+)% of tokens; "
+        r"(\S+)% as FP8's",
+        printed,
+    )
+    assert [name for name, *_ in rows] == ["FP8", "FP32"]  # a CPU: FP32 is its high precision
+    assert all(v == "100.0" for _, *values in rows for v in values), rows
+    assert "right stride, and the two agree on every token" in text
+    assert "cast at every step: the same tokens as cast once: True" in printed
+    assert "gave the same tokens as cast at every step" in text

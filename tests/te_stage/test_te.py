@@ -985,3 +985,18 @@ def test_fp8_state_kept_puts_back_the_row_tes_quantizers_write_their_amaxes_into
         assert all((row == 3.0).all() for row in rows)  # the history's row 0 is the same memory
         assert not torch.is_grad_enabled()
     assert all((row == 0).all() for row in rows) and all(q.amax.item() == 0 for q in quantizers)
+
+
+def test_tes_layers_take_is_first_microbatch_as_the_notebook_passes_it():
+    """Issue 59, 10.12: section 6's forward passes is_first_microbatch to each te.TransformerLayer,
+    which passes it on to its GEMM modules; each keeps its weight casts when it is not None
+    (linear.py: `update_ws = is_first_microbatch is None or is_first_microbatch`; the cache is
+    named "weight" only then). The forwards need a GPU; their signatures and rule are read here."""
+    for module in (te.TransformerLayer, te.Linear, te.LayerNormLinear, te.LayerNormMLP):
+        parameter = inspect.signature(module.forward).parameters["is_first_microbatch"]
+        assert parameter.default is None, module
+    linear = inspect.getsource(te.module.linear)
+    assert "update_ws = is_first_microbatch is None or is_first_microbatch" in linear
+    assert 'cache_name = None if (is_first_microbatch is None or self.is_fsdp2) else "weight"' in (
+        linear
+    )
