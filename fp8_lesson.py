@@ -131,13 +131,12 @@ DOWNLOAD_LIMIT_S = 15 * 60  # for each pip call that downloads: ninja; TE's core
 
 
 def use_pips_cudnn():  # TE at pip's cuDNN: CUDNN_PATH; libraries loaded before Colab's older 9.8
-    wheels = [d for d in importlib.metadata.distributions() if d.name.startswith("nvidia-cudnn-cu")]
-    if not wheels:
-        return None
-    cudnn_dir = os.environ["CUDNN_PATH"] = str(wheels[0].locate_file("nvidia/cudnn"))
-    for library in glob.glob(f"{cudnn_dir}/lib/libcudnn*.so*"):
-        ctypes.CDLL(library)
-    return cudnn_dir
+    for wheel in importlib.metadata.distributions():  # the first cuDNN wheel; None without one
+        if wheel.name.startswith("nvidia-cudnn-cu"):
+            cudnn_dir = os.environ["CUDNN_PATH"] = str(wheel.locate_file("nvidia/cudnn"))
+            for library in glob.glob(f"{cudnn_dir}/lib/libcudnn*.so*"):
+                ctypes.CDLL(library)
+            return cudnn_dir
 
 
 CUDNN_DIR = use_pips_cudnn()  # on every runtime: a process that imports TE needs it first
@@ -389,8 +388,7 @@ class ReferenceFP8:  # the bookkeeping of one te.autocast(recipe=DelayedScaling(
         return FP8Linear.apply(x, weight, bias, module, index, self)
 
     def cast(self, x, state, slot, direction):  # at the slot's scale; amax(x) to row 0, as TE
-        fmt, scale = self.formats[direction], state.scale[slot]
-        x_fp8, amax = quantize(x, scale, fmt)
+        x_fp8, amax = quantize(x, scale := state.scale[slot], fmt := self.formats[direction])
         state.amax_history[0, slot] = torch.maximum(state.amax_history[0, slot], amax)
         state.stats[:, slot] = cast_stats(x, x_fp8, scale, fmt) if STATS_TAKEN else math.nan
         return x_fp8, scale.reciprocal()  # a copy: the scale will change in place
@@ -499,7 +497,7 @@ def print_fp8_state(model):
     return rows
 
 
-# @title TE's list of FP8 models, and what the loop records after each step (machinery)
+# @title TE's list of FP8 models, and what the loop records after each step, by role (machinery)
 import functools
 
 ROLES = ("input", "weight", "grad_output")
@@ -526,6 +524,13 @@ def print_scale_spread(rows):
     spans = ", ".join(f"{role}s {min(s):.1e} to {max(s):.1e}" for role, s in scales.items())
     spread = max(max(s) for s in scales.values()) / min(min(s) for s in scales.values())
     print(f"\nScales: {spans}. The largest is {spread:.1e} times the smallest.")
+
+
+def by_role(snapshots, model):  # as {role: {field: (steps, tensors of that role)}}, on the CPU
+    steps, labels = torch.stack(snapshots).cpu(), [label for label, *_ in fp8_tensors(model)]
+    fields = ("amax", "scale", *REFERENCE_STATS)[: steps.shape[1]]
+    cols = {r: [i for i, label in enumerate(labels) if label.endswith("/" + r)] for r in ROLES}
+    return {r: dict(zip(fields, steps[..., c].unbind(1), strict=True)) for r, c in cols.items()}
 
 
 # DelayedScaling, Format: from transformer_engine.common.recipe import DelayedScaling, Format

@@ -1000,3 +1000,28 @@ def test_tes_layers_take_is_first_microbatch_as_the_notebook_passes_it():
     assert 'cache_name = None if (is_first_microbatch is None or self.is_fsdp2) else "weight"' in (
         linear
     )
+
+
+def test_tes_delayed_scaling_state_starts_at_scale_1_and_the_serving_file_loads_into_te(
+    nb, cfg, tmp_path
+):
+    """Issue 59, 10.12: a module's DelayedScaling recipe state starts with scale = ones
+    (quantization.py, DelayedScalingRecipeState.__init__), so an FP8-weight model loaded without
+    `_extra_state` casts its weights at 1. The serving file (serving_state, from a checkpoint in
+    10.7's format of the stand-in's FP8-trained model) holds no `_extra_state`, and a TE model
+    takes it with load_weights."""
+    recipe = nb.delayed_scaling(cfg)
+    state = quantization.DelayedScalingRecipeState(
+        recipe, mode="forward", num_quantizers=6, device=CPU
+    )
+    assert torch.equal(state.scale, torch.ones(6)) and not state.amax_history.any()
+    with nb.using(nb.standin):
+        trained = nb.CausalLM(cfg, CPU)
+        with nb.reference_autocast(recipe=nb.ReferenceRecipe()):
+            trained(torch.zeros(2, 8, dtype=torch.long))
+    torch.save({"model": trained.state_dict()}, path := tmp_path / "checkpoint.pt")
+    serving = nb.serving_state(path)
+    assert serving.keys() == {k for k in trained.state_dict() if not k.endswith("_extra_state")}
+    with cuda_device():
+        model = nb.load_weights(nb.CausalLM(cfg, CPU), serving)
+    assert torch.equal(model.head.weight, trained.head.weight)
