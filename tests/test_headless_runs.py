@@ -152,6 +152,7 @@ def test_headless_run_records_every_experiment(headless):
     }
     ran |= {"recipes_on_real_tensors", "fp8_estimate", "fp8_health", "layer_by_layer"}
     ran |= {"generation_and_fp8_state", "generation_both_ways", "serving_checkpoint"}
+    ran |= {"generation_estimate"}
     needs_gpu = {"te_vs_standin", "fp8_weights"}
     needs_gpu |= {"te_quantizers_vs_references", "benchmark", "data_parallel_script"}
     assert set(experiments) == ran | needs_gpu

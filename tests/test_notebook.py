@@ -210,11 +210,12 @@ def test_the_whole_notebook_does_not_grow():
     and its check runs section 7's schedule and saves after an evaluation too (+12); 10.11's
     layer search calls a change measurable at 1% of the loss, and gives shares only of such a gap
     (+6). Issue 59 allowed 60 more (1,709) for evaluating, generating and serving after training
-    (10.12); its steps 1 to 3 took 95 (10.12's cells 91: fp8_state_kept and its check on copies
-    of the trained model, generation both ways, the serving file and the weights cast at scale 1;
-    the stand-in's is_first_microbatch 4), and 13 were cut elsewhere (walruses, two cell merges, a
-    loop as a helper): 1,726, the cap, 17 over its target (its step 4 is still to come)."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1726
+    (10.12); its four steps took 114 (10.12's cells 110: fp8_state_kept and its check on copies
+    of the trained model, 41; generation both ways, 14; the serving file and the weights cast at
+    scale 1, 36; the estimate per generated token, 19; and the stand-in's is_first_microbatch, 4),
+    and 13 were cut elsewhere (walruses, two cell merges, a loop as a helper): 1,745, the cap, 36
+    over its target."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1745
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
@@ -573,3 +574,14 @@ def assert_10_12s_readings_hold(cells):
     assert one == "scale 1" and float(trained) == 0 < float(at_one) < 10 and "a few percent" in text
     assert 0 <= float(trained_db) - float(one_db) < 1 and "drops by under 1 dB" in text
     assert right + right_too == ["100.0"] * 4 and "the stride stays right" in text
+    printed, text = printed_before(cells, "By this estimate every batch here is bandwidth-bound")
+    rows = {
+        " ".join(r.split()[:-3]): r.split()[-3:] for r in printed.splitlines() if " batch " in r
+    }
+    assert len(rows) == 9 and "FP8 weights halve BF16's, casting BF16 weights at every" in text
+    for bf16, casts, fp8 in ([float(v) for v in values] for values in rows.values()):
+        assert abs(casts / bf16 - 2) < 0.01 and abs(fp8 / bf16 - 0.5) < 0.01
+    # by hand: 12 layers of QKV (2048 x 6144), proj (2048 x 2048), fc1 and fc2 (2048 x 8192
+    # each), the head 2048 x 100, at 2 bytes each, read at the L4's 300 GB/s, in µs
+    weights = 12 * (2048 * 6144 + 2048 * 2048 + 2 * 2048 * 8192) + 2048 * 100
+    assert rows["L4 batch 1"][0] == f"{2 * weights / 300e9 * 1e6:.3g}"
