@@ -350,10 +350,11 @@ class FP8Linear(torch.autograd.Function):  # y = x W^T + b; x, W cast to FP8 for
     def forward(ctx, x, weight, bias, module, index, fp8):
         state, x2d = module.fp8_meta["scaling_fwd"], x.reshape(-1, x.shape[-1])  # (tokens, in)
         x_fp8, x_inv = fp8.cast(x2d, state, 3 * index, "forward")  # slot 3k: GEMM k's input
-        cache = module.__dict__.setdefault("fp8_weights", {})  # TE's weight workspace (10.12):
-        if module.is_first_microbatch is not False or index not in cache:  # linear.py, update_ws
-            cache[index] = fp8.cast(weight, state, 3 * index + 1, "forward")  # 3k + 1: weight
-        w_fp8, w_inv = cache[index]
+        first, kept = module.is_first_microbatch, module.__dict__.setdefault("fp8_weights", {})
+        if first is None or first or index not in kept:  # TE's linear.py: update_ws (10.12)
+            cast = fp8.cast(weight, state, 3 * index + 1, "forward")  # 3k + 1: its weight
+            kept |= {} if first is None else {index: cast}  # TE keeps its casts given the flag
+        w_fp8, w_inv = cast if first is None else kept[index]
         if not x.is_cuda:  # the CPU's GEMM takes the FP8 values in FP32: convert them once, here
             x_fp8, w_fp8 = x_fp8.float(), w_fp8.float()
         ctx.save_for_backward(x_fp8, x_inv, w_fp8, w_inv)

@@ -401,10 +401,17 @@ def test_generation_inside_fp8_state_kept_leaves_the_state_bitwise_and_bare_it_d
     fp8_state_kept it leaves every scale and history as it was; the next step folds row 0 in."""
     model, recipe = tiny_model(nb, cfg), nb.ReferenceRecipe(amax_history_len=16)
     fp8_step(nb, cfg, model)
-    before = [t.clone() for t in nb.fp8_state_and_weights(model)]
     prompts = nb.training_batch(cfg, torch.Generator().manual_seed(1))[:, :8]
+    with nb.using(nb.standin):
+        nb.generate_greedy(model, prompts[:, :4], 2, recipe)  # row 0 not empty: kept as it is
+    before = [t.clone() for t in nb.fp8_state_and_weights(model)]
     with nb.using(nb.standin), nb.fp8_state_kept(model):
         nb.generate_greedy(model, prompts, 4, recipe)
+    after = nb.fp8_state_and_weights(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    with pytest.raises(ValueError), nb.using(nb.standin), nb.fp8_state_kept(model):
+        nb.generate_greedy(model, prompts, 4, recipe)
+        raise ValueError("an error inside: the row is put back all the same")
     after = nb.fp8_state_and_weights(model)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     with nb.using(nb.standin):
@@ -431,4 +438,6 @@ def test_the_stand_in_casts_the_weights_once_given_is_first_microbatch_as_tes_li
             layer.layernorm_mlp.fc2_weight.mul_(2.0)
         kept = model(tokens, is_first_microbatch=False)
         recast = model(tokens)
+        kept_still = model(tokens, is_first_microbatch=False)  # a None forward keeps nothing
     assert torch.equal(kept, cast_once) and not torch.allclose(recast, cast_once)
+    assert torch.equal(kept_still, cast_once)

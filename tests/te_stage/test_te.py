@@ -979,12 +979,14 @@ def test_fp8_state_kept_puts_back_the_row_tes_quantizers_write_their_amaxes_into
     quantizers = [q for m in gemms for q in m.quantizers["scaling_fwd"]]
     rows = [m.fp8_meta["scaling_fwd"].amax_history[0] for m in gemms]
     assert len(gemms) == 3 * cfg.n_layers and all((row == 0).all() for row in rows)
+    for q in quantizers:
+        q.amax.fill_(2.0)  # an earlier cast's, not yet folded in: kept as it is
     with nb.fp8_state_kept(model):
         for q in quantizers:
             q.amax.fill_(3.0)  # as a cast's kernel would
         assert all((row == 3.0).all() for row in rows)  # the history's row 0 is the same memory
         assert not torch.is_grad_enabled()
-    assert all((row == 0).all() for row in rows) and all(q.amax.item() == 0 for q in quantizers)
+    assert all((row == 2.0).all() for row in rows) and all(q.amax.item() == 2 for q in quantizers)
 
 
 def test_tes_layers_take_is_first_microbatch_as_the_notebook_passes_it():
