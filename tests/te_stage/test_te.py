@@ -997,6 +997,9 @@ def test_tes_layers_take_is_first_microbatch_as_the_notebook_passes_it():
     for module in (te.TransformerLayer, te.Linear, te.LayerNormLinear, te.LayerNormMLP):
         parameter = inspect.signature(module.forward).parameters["is_first_microbatch"]
         assert parameter.default is None, module
+    passes_it = "is_first_microbatch=is_first_microbatch"  # on to its attention and its MLP
+    assert inspect.getsource(te.TransformerLayer.forward).count(passes_it) >= 2
+    assert passes_it in inspect.getsource(te.MultiheadAttention.forward)  # on to its linears
     linear = inspect.getsource(te.module.linear)
     assert "update_ws = is_first_microbatch is None or is_first_microbatch" in linear
     assert 'cache_name = None if (is_first_microbatch is None or self.is_fsdp2) else "weight"' in (
