@@ -242,6 +242,45 @@ def test_a_gpu_without_datasheet_figures_here_gets_no_estimate_injected(nb, cfg,
     )
 
 
+def test_generation_timing_interleaves_three_ways_per_batch_its_models_and_timings_injected(
+    nb, cfg, capsys
+):
+    """10.12's timing loop, on a CPU: built_with_weights and median_ms are injected (a model is
+    a name; a step takes 2 ms with BF16 weights, 4 with FP8 casts, 1 with FP8 weights). Both
+    models are built without gradients; each round times the three ways in turn, on one token
+    per sequence, with section 4's recipe for FP8 and none for BF16; a token's µs is the step's
+    over the batch."""
+    (cell,) = [c for c in notebook_cells() if "def generation_timed(" in source(c)]
+    section_4s, built, timed = object(), [], []
+
+    def built_with_weights(big, weights, weights_recipe):
+        built.append((big.d_model, weights, weights_recipe, torch.is_grad_enabled()))
+        return weights
+
+    def median_ms(run, model, tokens, n_new, step_recipe, dtype):
+        timed.append((model, tuple(tokens.shape), step_recipe))
+        assert (run, n_new, dtype) == (namespace["generate_greedy"], 1, torch.bfloat16)
+        return {("bf16", None): 2.0, ("bf16", section_4s): 4.0, ("fp8", section_4s): 1.0}[
+            model, step_recipe
+        ]
+
+    namespace = dict(vars(nb), cfg=cfg, device=CPU, run_recipe=section_4s)
+    namespace["hw"] = nb.Hardware("NVIDIA H100 80GB HBM3", (9, 0), None)
+    exec(source(cell), namespace)  # noqa: S102 the notebook's own cell
+    namespace |= {"built_with_weights": built_with_weights, "median_ms": median_ms}
+    found = namespace["generation_timed"](batches=(1, 8), rounds=2)
+    assert built == [(2048, "bf16", section_4s, False), (2048, "fp8", section_4s, False)]
+    one_round = [("bf16", None), ("bf16", section_4s), ("fp8", section_4s)]
+    assert [(m, r) for m, _, r in timed] == one_round * 4  # 2 rounds at each of 2 batches
+    assert [shape for _, shape, _ in timed] == [(1, 1)] * 6 + [(8, 1)] * 6
+    ways = ("BF16 weights", "FP8 casts each step", "FP8 weights")
+    assert [[row[way] for way in ways] for row in found["rows"]] == [
+        [[2000.0] * 2, [4000.0] * 2, [1000.0] * 2],
+        [[250.0] * 2, [500.0] * 2, [125.0] * 2],
+    ]
+    assert "Measured on NVIDIA H100 80GB HBM3" in capsys.readouterr().out
+
+
 def test_an_experiment_that_calls_sys_exit_fails_alone_and_the_next_one_runs(nb):
     """Issue 57: nvdlfw_inspect calls sys.exit(1) on some errors (base.py, utils.py); SystemExit
     is not an Exception, and it would have ended the whole Run all."""

@@ -155,6 +155,7 @@ def test_headless_run_records_every_experiment(headless):
     ran |= {"generation_estimate"}
     needs_gpu = {"te_vs_standin", "fp8_weights"}
     needs_gpu |= {"te_quantizers_vs_references", "benchmark", "data_parallel_script"}
+    needs_gpu |= {"served_in_fp8_weights", "generation_timed"}
     assert set(experiments) == ran | needs_gpu
     assert {name for name, e in experiments.items() if e["status"] == "ran"} == ran
     assert all(experiments[name]["status"] == "skipped" for name in needs_gpu)
