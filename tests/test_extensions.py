@@ -1,7 +1,9 @@
 """Section 10: the experiment harness, the benchmark's arithmetic and skip rules, and what the
 amax-history experiment shows."""
 
+import contextlib
 import sys
+import types
 
 import pytest
 import torch
@@ -54,6 +56,67 @@ def test_a_size_out_of_gpu_memory_ends_the_benchmark_there_its_timings_injected(
 
 def test_a_fresh_model_is_timed_after_its_warm_up(nb, cfg):
     assert nb.median_step_ms(cfg, None, CPU, warmup=1, repeats=2) > 0
+
+
+def test_a_timing_counts_only_the_calls_after_its_warm_up_its_clock_injected(nb, monkeypatch):
+    """median_ms with the clock injected: 3 warm-up calls of 100 ms, then 10 of 1 to 10 ms: the
+    median is of those 10 alone, and every call's result is read back (what waits for a GPU)."""
+    durations, read_back = [0.1] * 3 + [k / 1000 for k in range(1, 11)], []
+    clock = iter([t for k in range(13) for t in (sum(durations[:k]), sum(durations[: k + 1]))])
+    monkeypatch.setattr(nb, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    result = types.SimpleNamespace(cpu=lambda: read_back.append(True))
+    assert nb.median_ms(lambda: result) == pytest.approx(5.5)
+    assert len(read_back) == 13
+
+
+def test_the_benchmark_makes_its_batches_before_the_clock_starts_its_steps_injected(
+    nb, cfg, monkeypatch
+):
+    """median_step_ms, training_batch and train_step injected (they record the order of calls):
+    every batch is made before the first timed step, so no step's time includes one."""
+    calls = []
+    monkeypatch.setattr(nb, "training_batch", lambda size_cfg, data: calls.append("batch"))
+    monkeypatch.setattr(nb, "train_step", lambda *args: calls.append("step") or torch.zeros(1))
+    nb.median_step_ms(cfg, None, CPU, warmup=1, repeats=2)
+    assert calls == ["batch"] * 3 + ["step"] * 3
+
+
+def test_the_inference_and_training_builds_put_the_body_in_fp8_and_the_head_outside_te_injected(
+    nb, cfg
+):
+    """10.6's and 10.12's build (built_with_weights) on a CPU, with TE's quantized_model_init and
+    Linear injected (recording the FP8-parameter setting each part is built under) and the model
+    a recorder: the body under quantized_model_init(True, the recipe, and the options given), the
+    head under quantized_model_init(enabled=False); BF16 parameters, FP32 for FP32 weights."""
+    setting, calls, built = [False], [], {}
+
+    @contextlib.contextmanager
+    def quantized_model_init(enabled=True, recipe=None, **options):
+        calls.append((enabled, recipe, options))
+        setting.append(enabled)
+        yield
+        setting.pop()
+
+    class Linear:
+        def __init__(self, d_in, d_out, params_dtype, device):
+            built["head"] = (setting[-1], params_dtype, d_in, d_out)
+
+    def causal_lm(size_cfg, device, params_dtype):
+        built["body"] = (setting[-1], params_dtype)
+        return types.SimpleNamespace()
+
+    (cell,) = [c for c in notebook_cells() if "def built_with_weights(" in source(c)]
+    te = types.SimpleNamespace(quantized_model_init=quantized_model_init, Linear=Linear)
+    namespace = dict(vars(nb), device=CPU, CausalLM=causal_lm, te=te)
+    exec(source(cell), namespace)  # noqa: S102 the notebook's own cell
+    recipe, build = object(), namespace["built_with_weights"]
+    model = build(cfg, "fp8", recipe, preserve_high_precision_init_val=True)
+    assert calls == [(True, recipe, {"preserve_high_precision_init_val": True}), (False, None, {})]
+    head = (False, torch.bfloat16, cfg.d_model, cfg.vocab_size)
+    assert built == {"body": (True, torch.bfloat16), "head": head}
+    assert isinstance(model.head, Linear)
+    build(cfg, "fp32", recipe)
+    assert built["body"] == (False, torch.float32) and built["head"][:2] == (False, torch.float32)
 
 
 def timings(**by_label):

@@ -1025,7 +1025,7 @@ def test_tes_delayed_scaling_state_starts_at_scale_1_and_the_serving_file_loads_
         with nb.reference_autocast(recipe=nb.ReferenceRecipe()):
             trained(torch.zeros(2, 8, dtype=torch.long))
     torch.save({"model": trained.state_dict()}, path := tmp_path / "checkpoint.pt")
-    serving = nb.serving_state(path)
+    serving = nb.serving_state(torch.load(path)["model"])
     assert serving.keys() == {k for k in trained.state_dict() if not k.endswith("_extra_state")}
     with cuda_device():
         model = nb.load_weights(nb.CausalLM(cfg, CPU), serving)
