@@ -549,9 +549,10 @@ def delayed_scaling(cfg, reduce_amax=True):
 
 
 def same_on_every_rank(model):  # [FP8 state, weights]: bitwise the same on every rank?
-    states = {id(s): s for _, s, _, _ in fp8_tensors(model)}.values()
+    states = {id(s): s for _, s, _, _ in fp8_tensors(model)}.values()  # none but DelayedScaling's
     fp8, answers = [t.flatten() for s in states for t in (s.scale, s.amax_history)], []
-    for mine in (torch.cat(fp8), torch.cat([p.detach().flatten() for p in model.parameters()])):
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    for mine in (torch.cat([weights[:0], *fp8]), weights):  # without FP8 state: an empty tensor
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         answers.append(all(torch.equal(mine, theirs) for theirs in everyone))

@@ -77,13 +77,16 @@ def test_the_gpu_run_is_recorded_as_an_experiment_its_torchrun_injected(nb, cfg)
     """Our wrapper around the script on this runtime's GPUs (an H200 run found it returning a
     list, which the experiments' record refused); torchrun's result is injected, not run."""
     (cell,) = [c for c in notebook_cells() if "def data_parallel_on_gpus(" in source(c)]
-    namespace = dict(vars(nb), cfg=cfg)
+    plan = nb.Plan("fp8", "te", "", {}, "DelayedScaling")  # section 4's, where its step ran
+    namespace = dict(vars(nb), cfg=cfg, plan=plan, hw=nb.Hardware("H100", (9, 0), None))
     exec(source(cell), namespace)  # noqa: S102 the notebook's own cell
     printed = [{"rank": 0, "on": "cuda:0", "losses": [4.6, 4.5], "same": [[True, True]] * 2}]
-    namespace["run_data_parallel"] = lambda cfg, ranks, steps: printed
+    namespace["run_recipe"] = nb.delayed_scaling(cfg)
+    namespace["run_data_parallel"] = lambda cfg, ranks, steps, *flags: flags or printed
     experiments = {}
     nb.run_experiment(experiments, "data_parallel_script", None, namespace["data_parallel_on_gpus"])
-    assert experiments["data_parallel_script"] == {"status": "ran", "reason": "", "ranks": printed}
+    recorded = {"status": "ran", "reason": "", "ranks": printed, "fp8": "DelayedScaling"}
+    assert experiments["data_parallel_script"] == recorded
 
 
 def test_the_script_names_a_flag_it_does_not_know_before_it_trains(nb, cfg, script):

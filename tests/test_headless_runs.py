@@ -116,7 +116,7 @@ def test_headless_run_inspects_the_reference_fp8_state_and_checks_the_rule_exact
 
 def test_headless_reference_fp8_run_learns_like_fp32(headless):
     comparison = headless[0]["fp8_comparison"]
-    assert comparison["status"] == "ran" and comparison["fp8_source"] == "reference"
+    assert comparison["status"] == "ran" and comparison["fp8"] == "FP8 (reference)"
     assert comparison["fp8_stride_sequence_accuracy"] >= 0.9
     assert abs(comparison["final_loss_gap"]) <= 0.10
 

@@ -218,8 +218,12 @@ def test_the_whole_notebook_does_not_grow():
     loaded into TE's FP8 weights built under no_grad, their casts and memory (18, and its skip and
     run, 2); time per generated token for the three ways (19, its run 1); 10.6's build as a helper
     both use (+3), one timing loop for the benchmark and generation (+6), the flush count and SQNR
-    in one place (+2); 1 cut (10.12's check reuses 8.2's batch): 1,805, 96 over its target."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1805
+    in one place (+2); 1 cut (10.12's check reuses 8.2's batch): 1,805, 96 over its target.
+    Issue 60 allows 25 more (1,830) for one precision plan everywhere and a probe that tells FP8
+    from a broken runtime: 10.2's BF16 run beside an FP8 section 7 (+2), 10.6 on section 7's
+    recipe (+1), fp8_ddp.py told the plan's recipe (+3: the flag, the state check without
+    DelayedScaling's state, the launch)."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1830
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
@@ -247,10 +251,10 @@ def test_the_lesson_on_github_does_not_grow():
     assert reading_minutes(core(), "github") <= 161.95
 
 
-def test_going_further_reads_in_69_minutes_in_colab_none_of_it_over_12():
+def test_going_further_reads_in_70_minutes_in_colab_none_of_it_over_12():
     """60.8 after issue 48 folded 10.8's and 10.11's machinery into collapsed cells: 61, no more;
-    issue 59 adds 10.12, at most 8 minutes: 69."""
-    assert reading_minutes(going_further()) <= 69
+    issue 59 adds 10.12, at most 8 minutes: 69; issue 60's lines (one plan everywhere): 70."""
+    assert reading_minutes(going_further()) <= 70
     for heading, cells in subsections(going_further()).items():
         assert reading_minutes(cells) <= 12, heading
 
@@ -271,10 +275,11 @@ def test_issue_27s_sections_keep_their_reading_times():
     """10.6 at most 9.5 minutes in Colab; 10.8 and 10.9 at most 12 (above); 10.9 on GitHub was 32
     minutes, its target 16: met, with the script in one cell and its launcher collapsed; 16.4
     after issue 44's handling of a batch the ranks do not divide (refused by the script, the
-    two-rank check skipped for an odd batch)."""
+    two-rank check skipped for an odd batch); 17.2 after issue 60 (the script told the plan's
+    recipe)."""
     parts = {heading.split()[1]: cells for heading, cells in subsections(going_further()).items()}
     assert reading_minutes(parts["10.6"]) <= 9.5
-    assert reading_minutes(parts["10.9"], "github") <= 16.4
+    assert reading_minutes(parts["10.9"], "github") <= 17.2
     (script,) = [c for c in code_cells() if source(c).startswith("%%writefile fp8_ddp.py\n")]
     assert not collapsed(script) and "DistributedDataParallel(" in source(script)
 

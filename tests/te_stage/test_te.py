@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 import re
+import types
 from pathlib import Path
 from unittest import mock
 
@@ -299,6 +300,92 @@ def test_with_failures_injected_for_tes_default_too_the_plan_is_bf16_with_both_e
         plan.fallbacks["FP8"].count("no kernel") == 2
         and "Float8CurrentScaling" in plan.fallbacks["FP8"]
     )
+
+
+def run_cell(start, namespace):
+    """Execute the notebook's code cell whose source starts with `start` in `namespace`."""
+    (cell,) = [c for c in notebook_cells() if "".join(c["source"]).startswith(start)]
+    exec("".join(cell["source"]), namespace)  # noqa: S102 the notebook's own cell
+
+
+def experiments_after_a_failed_probe(nb, cfg, capability):
+    """Sections 7 to 10's own cells after one DelayedScaling step raised (injected) on a GPU of
+    this capability: their training, TE's optimizer and the launch injected, to record the
+    recipes they are given. What TE does with those recipes is not tested here."""
+    hw, given = detect(nb, capability, one_step=injected_delayed_scaling_failure), []
+
+    def train(model, cfg, recipe=None, dtype=None, label="", **kw):
+        given.append((label, recipe, dtype))
+        return types.SimpleNamespace(final_loss=1.0, seconds=1.0, mean_of="the last steps")
+
+    def train_step(model, tokens, optimizer, recipe, dtype):
+        given.append(("10.6 step", recipe, dtype))
+        return torch.tensor(1.0)
+
+    def built_with_weights(big, weights, weights_recipe, **init):
+        given.append(("10.6 build", weights_recipe, None))
+        return torch.nn.Linear(2, 2)
+
+    with nb.using(nb.standin):
+        initial_state = nb.CausalLM(cfg, CPU).state_dict()
+    ns = dict(vars(nb), cfg=cfg, device=CPU, hw=hw, plan=nb.choose_plan(hw), model=None)
+    ns |= {"train": train, "loss_change": str, "initial_state": initial_state}
+    with cuda_device(capability):
+        for start in ("recipe, dtype = delayed", "# @title The FP8 run:", "experiments, te_skip"):
+            run_cell(start, ns)  # sections 7 and 8's runs, and 10's gates
+        run_cell("def fp8_vs_high_precision", ns)
+        ns["fp8_vs_high_precision_found"] = ns["fp8_vs_high_precision"]()
+        run_cell("# @title Training with FP32", ns)
+        adam = types.SimpleNamespace(FusedAdam=lambda p, lr, **kw: torch.optim.SGD(p, lr=lr))
+        ns |= {"train_step": train_step, "built_with_weights": built_with_weights}
+        ns |= {"te": types.SimpleNamespace(optimizers=adam, Float8Quantizer=te.Float8Quantizer)}
+        ns |= {"start_fp8_bookkeeping": lambda model: None}
+        if not ns["fp8_skip"]:
+            ns["train_weights"](cfg, "fp8", steps=1)
+        launch = mock.Mock(return_value=[])
+        ns |= {"te": te, "device": torch.device("cuda"), "run_data_parallel": launch}
+        ns["benchmark"] = dict  # the benchmark's skip only: its timing is injected
+        run_cell("on_cpu = ", ns)
+        run_cell("# @title The two-rank check", ns)
+        ns["data_parallel_on_gpus"]()
+    return ns, given
+
+
+def test_with_a_delayed_scaling_failure_injected_on_12_0_every_experiment_takes_tes_default(
+    nb, cfg
+):
+    """Issue 60: section 7 trains with TE's default recipe; section 8 runs the reference (TE's
+    recipe keeps no amax history); 10.2 trains BF16 on TE beside section 7; 10.6 builds and
+    trains with section 7's recipe; fp8_ddp.py is told it; 10.10 times it (its labels: issue 59's
+    test); 10.12's FP8-weight serving, which needs DelayedScaling, is skipped saying so."""
+    ns, given = experiments_after_a_failed_probe(nb, cfg, (12, 0))
+    default, delayed = ns["run_recipe"], ns["recipe"]
+    assert isinstance(default, te_recipes.Float8CurrentScaling) and default is ns["hw"].fp8_fallback
+    assert given == [
+        ("fp8", default, torch.bfloat16),  # section 7
+        ("FP8 reference", delayed, None),  # section 8
+        ("BF16 (TE)", None, torch.bfloat16),  # 10.2
+        ("10.6 build", default, None),
+        ("10.6 step", default, torch.bfloat16),
+    ]
+    assert ns["fp8_vs_high_precision_found"]["fp8"] == "FP8 Float8CurrentScaling (section 7)"
+    assert ns["run_data_parallel"].call_args.args[3:] == ("--te-default-recipe",)
+    assert ns["fp8_skip"] is None and ns["timing_skip"] is None
+    assert ns["delayed_skip"] == "needs TE's DelayedScaling, not Float8CurrentScaling"
+
+
+def test_with_a_delayed_scaling_failure_injected_on_9_0_every_fp8_experiment_says_why_not(nb, cfg):
+    """TE's default there is DelayedScaling itself: the plan is BF16 on TE. Section 8 and 10.2's
+    FP8 run is the reference, beside section 7's BF16; fp8_ddp.py runs the reference; 10.6, the
+    benchmark and 10.12's serving are skipped with TE's words for the failed step."""
+    ns, given = experiments_after_a_failed_probe(nb, cfg, (9, 0))
+    assert ns["run_recipe"] is None and ns["plan"].precision == "bf16"
+    assert given == [("bf16", None, torch.bfloat16), ("FP8 reference", ns["recipe"], None)]
+    found = ns["fp8_vs_high_precision_found"]
+    assert (found["fp8"], found["high_precision"]) == ("FP8 (reference)", "BF16 (section 7)")
+    assert ns["run_data_parallel"].call_args.args[3:] == ("--reference",)
+    assert "cuBLAS error in the FP8 backward GEMM" in ns["fp8_skip"]
+    assert ns["fp8_skip"] in ns["timing_skip"] and ns["delayed_skip"] == ns["fp8_skip"]
 
 
 def test_a_gpu_below_8_0_gets_no_te_and_trains_in_fp16_on_pytorch(nb):
