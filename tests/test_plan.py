@@ -1,9 +1,13 @@
 """The precision plan: a pure function of the hardware facts, for every runtime users have."""
 
+import contextlib
 import dataclasses
+import pickle
 import re
+import types
 
 import pytest
+import torch
 from example_runtimes import (
     RECIPES_HEADER,
     RUNTIMES_HEADER,
@@ -129,3 +133,48 @@ def test_where_fp8_steps_raised_everywhere_the_plan_steps_down_to_bf16_in_tes_wo
     plan = nb.choose_plan(nb.Hardware("NVIDIA H100", (9, 0), None, raised, "DelayedScaling"))
     assert (plan.precision, plan.recipe) == ("bf16", None)
     assert plan.fallbacks == {"FP8": f"Transformer Engine says: {raised}"}
+
+
+def probe_modules(layer):
+    """`te` for one_te_step, its outcome injected: `layer` stands for TE's layer; no FP8."""
+    manager = types.SimpleNamespace(reset=lambda: None)
+    return types.SimpleNamespace(
+        TransformerLayer=lambda *args, **kwargs: layer,
+        autocast=lambda **kwargs: contextlib.nullcontext(),
+        quantization=types.SimpleNamespace(FP8GlobalStateManager=manager),
+    )
+
+
+def test_a_probe_step_counts_only_with_finite_output_and_gradients_its_layer_injected(nb):
+    """Issue 60: a kernel that returns garbage raised nothing, and got FP8 planned."""
+    torch.manual_seed(0)
+    with nb.using(probe_modules(torch.nn.Linear(128, 128))):
+        assert nb.one_te_step(None) is None
+    broken = torch.nn.Linear(128, 128)
+    torch.nn.init.constant_(broken.weight, float("inf"))
+    with nb.using(probe_modules(broken)):
+        assert nb.one_te_step(None) == "no error raised, but its output or gradients are not finite"
+    with nb.using(probe_modules(torch.nn.Linear(64, 64))):  # the wrong width: torch's words
+        assert nb.one_te_step(None).startswith("RuntimeError: mat1 and mat2 shapes cannot be")
+
+
+def test_a_step_in_its_own_process_that_dies_is_reported_in_its_words(nb, tmp_path, monkeypatch):
+    """The probe's process, for real: on this CPU its one_te_step finds no TE and its cleanup
+    raises, so the process exits with an error; the notebook gets the error's words and goes on."""
+    monkeypatch.chdir(tmp_path)  # where it writes fp8_probe.py
+    said = nb.one_step_alone({"a recipe": "pickled"}, limit_s=120)
+    assert said.startswith("exited with status 1:") and "AttributeError" in said
+
+
+@pytest.mark.parametrize("printed, outcome", [("null", None), ('"E: no kernel"', "E: no kernel")])
+def test_a_step_in_its_own_process_returns_its_last_line_its_process_injected(
+    nb, tmp_path, monkeypatch, printed, outcome
+):
+    """What the process printed last (before it, the cells' own prints) is the outcome; the recipe
+    reaches it pickled, intact, in the file it runs: the probe's cells, then the step."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(nb, "run_with_limit", lambda command, limit_s: f"TE 2.20.2\n{printed}\n")
+    assert nb.one_step_alone({"recipe": [1, 2]}) == outcome
+    probe = (tmp_path / "fp8_probe.py").read_text()
+    assert "def one_te_step(" in probe and "def import_te(" in probe
+    assert probe.endswith(f"one_te_step(pickle.loads({pickle.dumps({'recipe': [1, 2]})!r}))))\n")

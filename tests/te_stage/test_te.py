@@ -182,7 +182,10 @@ def detect(nb, capability, cuda=None, one_step=injected_step_passes):
 
 def other_recipes(nb, capability, cuda=None):
     """section 10.7's (name, why not) for each recipe: TE's checks, each step's success injected."""
-    with cuda_device(capability, cuda), mock.patch.object(nb, "one_fp8_step", injected_step_passes):
+    with (
+        cuda_device(capability, cuda),
+        mock.patch.object(nb, "one_step_alone", injected_step_passes),
+    ):
         return {name: why_not for name, _, why_not in nb.other_recipes_here.__wrapped__()}
 
 
@@ -259,12 +262,12 @@ def test_with_nvfp4s_default_failure_injected_it_is_tried_without_rht_and_stocha
         plain = recipe.disable_rht and recipe.disable_stochastic_rounding
         return "RuntimeError: retry" if plain and retry_raises else None if plain else "E: default"
 
-    with cuda_device((12, 0), "13.0"), mock.patch.object(nb, "one_fp8_step", injected_step):
+    with cuda_device((12, 0), "13.0"), mock.patch.object(nb, "one_step_alone", injected_step):
         runs = {name: (r, why_not) for name, r, why_not in nb.other_recipes_here.__wrapped__()}
     recipe, why_not = runs["NVFP4BlockScaling without RHT and SR"]  # the name 10.9 labels it by
     assert recipe.disable_rht and recipe.disable_stochastic_rounding
     assert why_not == ("RuntimeError: retry" if retry_raises else None)
-    said = "NVFP4BlockScaling raised E: default; tried again without RHT and stochastic rounding"
+    said = "NVFP4BlockScaling failed: E: default; tried again without RHT and stochastic rounding"
     assert said in capsys.readouterr().out
     block, why_not = runs["Float8BlockScaling"]
     assert type(block) is te_recipes.Float8BlockScaling and why_not == "E: block"
@@ -293,13 +296,58 @@ def test_with_an_fp8_step_failure_injected_where_tes_default_is_delayed_scaling_
     assert "cuBLAS error in the FP8 backward GEMM" in plan.fallbacks["FP8"]
 
 
+def injected_fp8_failure(recipe):  # every FP8 step fails; the BF16 step (no recipe) runs
+    return None if recipe is None else "RuntimeError: no kernel"
+
+
 def test_with_failures_injected_for_tes_default_too_the_plan_is_bf16_with_both_errors(nb):
-    plan = nb.choose_plan(detect(nb, (12, 0), one_step=lambda recipe: "RuntimeError: no kernel"))
-    assert plan.precision == "bf16"
+    plan = nb.choose_plan(detect(nb, (12, 0), one_step=injected_fp8_failure))
+    assert (plan.precision, plan.backend) == ("bf16", "te")
     assert (
         plan.fallbacks["FP8"].count("no kernel") == 2
         and "Float8CurrentScaling" in plan.fallbacks["FP8"]
     )
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (12, 0)])
+def test_where_tes_own_bf16_step_fails_injected_the_plan_is_bf16_on_pytorch_in_tes_words(
+    nb, capability
+):
+    """Issue 60: a failure that is not FP8's (attention, a fused kernel) sent the plan to BF16 on
+    TE, which runs the same code, unprobed. Every step fails here (injected): on the A100 the BF16
+    step is the only one; elsewhere it follows the FP8 steps. Its words reach the plan."""
+    steps = []
+
+    def injected_failure(recipe):
+        steps.append(type(recipe).__name__)
+        return "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+    hw = detect(nb, capability, one_step=injected_failure)
+    plan = nb.choose_plan(hw)
+    assert (plan.precision, plan.backend) == ("bf16", "torch") and steps[-1] == "NoneType"
+    assert hw.te_error.startswith("one BF16 step failed: RuntimeError: CUDA error")
+    assert "illegal memory access" in plan.fallbacks["FP8"]
+    default = {(8, 0): [], (12, 0): ["DelayedScaling", "Float8CurrentScaling"]}
+    assert steps[:-1] == default.get(capability, ["DelayedScaling"])
+
+
+def test_the_a100s_bf16_plan_on_te_is_confirmed_by_one_bf16_step_injected(nb):
+    steps = []
+    hw = detect(nb, (8, 0), one_step=lambda recipe: steps.append(recipe))
+    assert steps == [None] and nb.choose_plan(hw).backend == "te" and hw.te_error is None
+
+
+def test_where_te_failed_its_bf16_step_6_2s_stand_in_takes_tes_place_injected(nb):
+    """detect_hardware sets TE_ERROR where TE's own BF16 step failed (every step's failure
+    injected); 6.2's cell, which runs after section 4's, then swaps in the stand-in, as where TE
+    never imported."""
+    with cuda_device((9, 0)), mock.patch.object(nb, "TE_ERROR", None):
+        hw = nb.detect_hardware(lambda recipe: "RuntimeError: injected")
+        assert nb.TE_ERROR == hw.te_error == "one BF16 step failed: RuntimeError: injected"
+        namespace = dict(vars(nb))
+    run_cell("# @title The stand-in's DelayedScaling", namespace)
+    assert namespace["te"] is namespace["standin"]
+    assert namespace["DelayedScaling"] is namespace["ReferenceRecipe"]
 
 
 def run_cell(start, namespace):
@@ -382,7 +430,7 @@ def test_with_a_delayed_scaling_failure_injected_on_9_0_every_fp8_experiment_say
     assert ns["run_recipe"] is None and ns["plan"].precision == "bf16"
     assert given == [("bf16", None, torch.bfloat16), ("FP8 reference", ns["recipe"], None)]
     found = ns["fp8_vs_high_precision_found"]
-    assert (found["fp8"], found["high_precision"]) == ("FP8 (reference)", "BF16 (section 7)")
+    assert (found["fp8"], found["high_precision"]) == ("FP8 (reference)", "BF16")
     assert ns["run_data_parallel"].call_args.args[3:] == ("--reference",)
     assert "cuBLAS error in the FP8 backward GEMM" in ns["fp8_skip"]
     assert ns["fp8_skip"] in ns["timing_skip"] and ns["delayed_skip"] == ns["fp8_skip"]
