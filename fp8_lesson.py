@@ -45,6 +45,7 @@ RELATIONS = {  # between sizes: True, or the rule for the first size named
 
 # @title The check: every broken rule named at once; the imports (machinery)
 import json
+import pickle
 import time
 
 import matplotlib.pyplot as plt

@@ -24,26 +24,26 @@ def test_sized_configs_keep_the_task_with_64_channel_heads_and_smaller_steps(nb,
     assert nb.sized_config(cfg, cfg.d_model, cfg.n_layers) == cfg
 
 
-def benchmark_namespace(nb, cfg, median_step_ms):
-    """The benchmark's cell run on a CPU, in the FP8 plan, with median_step_ms injected."""
+def benchmark_namespace(nb, cfg, step_ms):
+    """The benchmark's cell run on a CPU, in the FP8 plan, with step_ms injected."""
     (cell,) = [c for c in notebook_cells() if "def benchmark(" in source(c)]
     namespace = dict(vars(nb), cfg=cfg, device=CPU, run_recipe=None, other_recipes_here=list)
     namespace |= {"plan": nb.Plan("fp8", "te", "", {}, "DelayedScaling"), "hw": nb.Hardware("CPU")}
     exec(source(cell), namespace)  # noqa: S102 the notebook's own cell
-    namespace["median_step_ms"] = median_step_ms
+    namespace["step_ms"] = step_ms
     return namespace
 
 
 def test_a_size_out_of_gpu_memory_ends_the_benchmark_there_its_timings_injected(nb, cfg, capsys):
-    """Our loop around the timings, on a CPU: median_step_ms is injected, and raises torch's
+    """Our loop around the timings, on a CPU: step_ms is injected, and raises torch's
     out-of-memory error from d_model 1024 on; the sizes before it are kept."""
 
-    def median_step_ms(size_cfg, run_recipe, device):
+    def step_ms(size_cfg, run_recipe, device):
         if size_cfg.d_model >= 1024:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return 10.0
 
-    namespace = benchmark_namespace(nb, cfg, median_step_ms)
+    namespace = benchmark_namespace(nb, cfg, step_ms)
     found = namespace["benchmark"](rounds=2)
     assert "d_model 1024 x 8 and larger: skipped, out of GPU memory" in capsys.readouterr().out
     timed = [(row["precision"], row["d_model"], row["ms"]) for row in found["rows"]]
@@ -54,30 +54,58 @@ def test_a_size_out_of_gpu_memory_ends_the_benchmark_there_its_timings_injected(
     ]
 
 
-def test_a_fresh_model_is_timed_after_its_warm_up(nb, cfg):
-    assert nb.median_step_ms(cfg, None, CPU, warmup=1, repeats=2) > 0
+@pytest.fixture
+def gpu_events(monkeypatch):
+    """torch.cuda.Event's stand-in for a CPU: its clock counts the calls logged so far (2 ms
+    each); the log is what mean_ms did."""
+    log = []
+
+    class CountingEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = log.count("call")
+            log.append("record")
+
+        def synchronize(self):
+            log.append("wait")
+
+        def elapsed_time(self, end):
+            return 2.0 * (end.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", CountingEvent)
+    return log
 
 
-def test_a_timing_counts_only_the_calls_after_its_warm_up_its_clock_injected(nb, monkeypatch):
-    """median_ms with the clock injected: 3 warm-up calls of 100 ms, then 10 of 1 to 10 ms: the
-    median is of those 10 alone, and every call's result is read back (what waits for a GPU)."""
-    durations, read_back = [0.1] * 3 + [k / 1000 for k in range(1, 11)], []
-    clock = iter([t for k in range(13) for t in (sum(durations[:k]), sum(durations[: k + 1]))])
-    monkeypatch.setattr(nb, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    result = types.SimpleNamespace(cpu=lambda: read_back.append(True))
-    assert nb.median_ms(lambda: result) == pytest.approx(5.5)
-    assert len(read_back) == 13
+def test_a_fresh_models_real_steps_are_timed_after_its_warm_up_its_events_injected(
+    nb, cfg, monkeypatch, gpu_events
+):
+    train_step = nb.train_step  # the real step, each call logged for the events' clock
+    monkeypatch.setattr(
+        nb, "train_step", lambda *args: gpu_events.append("call") or train_step(*args)
+    )
+    assert nb.step_ms(cfg, None, CPU, warmup=1, repeats=2) == 2.0
+    assert gpu_events == ["call", "record", "call", "call", "record", "wait"]
+
+
+def test_a_round_is_timed_by_two_events_and_one_wait_its_events_injected(nb, gpu_events):
+    """Issue 60: a result read back after each call (one wait a step) serialised launches with
+    the GPU, the very overhead a small model's step is made of. mean_ms records the start after
+    the 3 warm-up calls and the end after the 10 timed ones, and waits once, for the end."""
+    assert nb.mean_ms(lambda: gpu_events.append("call")) == 2.0
+    assert gpu_events == ["call"] * 3 + ["record"] + ["call"] * 10 + ["record", "wait"]
 
 
 def test_the_benchmark_makes_its_batches_before_the_clock_starts_its_steps_injected(
-    nb, cfg, monkeypatch
+    nb, cfg, monkeypatch, gpu_events
 ):
-    """median_step_ms, training_batch and train_step injected (they record the order of calls):
+    """step_ms, training_batch and train_step injected (they record the order of calls):
     every batch is made before the first timed step, so no step's time includes one."""
     calls = []
     monkeypatch.setattr(nb, "training_batch", lambda size_cfg, data: calls.append("batch"))
     monkeypatch.setattr(nb, "train_step", lambda *args: calls.append("step") or torch.zeros(1))
-    nb.median_step_ms(cfg, None, CPU, warmup=1, repeats=2)
+    nb.step_ms(cfg, None, CPU, warmup=1, repeats=2)
     assert calls == ["batch"] * 3 + ["step"] * 3
 
 
@@ -282,11 +310,11 @@ def test_the_benchmark_times_section_4s_recipe_under_its_name_injected(nb, cfg):
     """The FP8 row is timed with the recipe training ran (run_recipe), not another."""
     timed_with = {}
 
-    def median_step_ms(size_cfg, run_recipe, device):
+    def step_ms(size_cfg, run_recipe, device):
         timed_with.setdefault(size_cfg.d_model, []).append(run_recipe)
         return 10.0
 
-    namespace = benchmark_namespace(nb, cfg, median_step_ms)
+    namespace = benchmark_namespace(nb, cfg, step_ms)
     namespace["run_recipe"] = section_4s = object()
     found = namespace["benchmark"](rounds=1)
     assert timed_with[cfg.d_model] == [None, section_4s]  # BF16, then FP8 DelayedScaling
@@ -308,7 +336,7 @@ def test_a_gpu_without_datasheet_figures_here_gets_no_estimate_injected(nb, cfg,
 def test_generation_timing_interleaves_three_ways_per_batch_its_models_and_timings_injected(
     nb, cfg, capsys
 ):
-    """10.12's timing loop, on a CPU: built_with_weights and median_ms are injected (a model is
+    """10.12's timing loop, on a CPU: built_with_weights and mean_ms are injected (a model is
     a name; a step takes 2 ms with BF16 weights, 4 with FP8 casts, 1 with FP8 weights). Both
     models are built without gradients; each round times the three ways in turn, on one token
     per sequence, with section 4's recipe for FP8 and none for BF16; a token's µs is the step's
@@ -320,7 +348,7 @@ def test_generation_timing_interleaves_three_ways_per_batch_its_models_and_timin
         built.append((big.d_model, weights, weights_recipe, torch.is_grad_enabled()))
         return weights
 
-    def median_ms(run, model, tokens, n_new, step_recipe, dtype):
+    def mean_ms(run, model, tokens, n_new, step_recipe, dtype):
         timed.append((model, tuple(tokens.shape), step_recipe))
         assert (run, n_new, dtype) == (namespace["generate_greedy"], 1, torch.bfloat16)
         return {("bf16", None): 2.0, ("bf16", section_4s): 4.0, ("fp8", section_4s): 1.0}[
@@ -330,7 +358,7 @@ def test_generation_timing_interleaves_three_ways_per_batch_its_models_and_timin
     namespace = dict(vars(nb), cfg=cfg, device=CPU, run_recipe=section_4s)
     namespace["hw"] = nb.Hardware("NVIDIA H100 80GB HBM3", (9, 0), None)
     exec(source(cell), namespace)  # noqa: S102 the notebook's own cell
-    namespace |= {"built_with_weights": built_with_weights, "median_ms": median_ms}
+    namespace |= {"built_with_weights": built_with_weights, "mean_ms": mean_ms}
     found = namespace["generation_timed"](batches=(1, 8), rounds=2)
     assert built == [(2048, "bf16", section_4s, False), (2048, "fp8", section_4s, False)]
     one_round = [("bf16", None), ("bf16", section_4s), ("fp8", section_4s)]

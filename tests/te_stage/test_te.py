@@ -1195,3 +1195,30 @@ def test_the_inference_models_are_built_and_loaded_as_tes_source_says(nb, cfg):
     assert "if extra_state_key in state_dict:\n                self.set_extra_state(" in base
     copy = inspect.getsource(te.QuantizedTensor.__torch_dispatch__)
     assert "if isinstance(dst, QuantizedTensor):\n                dst.quantize_(src)" in copy
+
+
+@pytest.mark.parametrize("capability, compared", [((9, 0), True), ((8, 9), False)])
+def test_10_8_compares_block_scalings_cast_where_te_refuses_only_its_gemm_quantizers_injected(
+    nb, capability, compared
+):
+    """Issue 60: with Colab's CUDA 12.8 torch, TE's check refuses Float8BlockScaling in its
+    GEMM's words ("FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >=
+    12.9"); its cast needs no GEMM, so on 9.0 10.8 compares it with the reference, and on 8.9 it
+    does not. TE's quantizers need a GPU: they are injected (each returns its input), so only
+    which recipes are compared is checked here; each step's success is injected too."""
+    with cuda_device(capability, "12.8"):
+        with mock.patch.object(nb, "one_step_alone", injected_step_passes):
+            runs = nb.other_recipes_here.__wrapped__()
+        assert "FP8 block scaled GEMM" in {n: w for n, _, w in runs}["Float8BlockScaling"]
+        namespace = dict(vars(nb), device=CPU)
+        run_cell("# @title Which recipes run here", namespace)
+
+        def quantizer(*args, **kwargs):
+            return lambda x: types.SimpleNamespace(dequantize=lambda: x)
+
+        kinds = ("Float8CurrentScaling", "Float8Block", "MXFP8", "NVFP4")
+        fake_te = types.SimpleNamespace(**{f"{kind}Quantizer": quantizer for kind in kinds})
+        namespace |= {"other_recipes_here": lambda: runs, "te": fake_te}
+        numbers = namespace["te_quantizers_vs_references"]()
+    assert ("Float8BlockScaling" in numbers) == compared
+    assert "Float8CurrentScaling" in numbers and "MXFP8BlockScaling" not in numbers
