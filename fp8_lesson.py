@@ -574,9 +574,11 @@ def twin_extra_state(module):  # the stand-in's get_extra_state: TE's format and
     return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
 
-def load_twin_extra_state(module, state):  # set_extra_state; unpickling runs code: trust it
+def load_twin_extra_state(module, state):  # set_extra_state, behind TE's gate (10.7)
     if state is None or state.numel() == 0:
         return
+    if os.environ.get(gate := "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1":  # as TE 2.20.2
+        raise RuntimeError(f"Unpickling runs code: set {gate}=1 to load a trusted file's FP8 state")
     state, device = pickle.loads(state.cpu().numpy().tobytes()), next(module.parameters()).device
     for d in ("fwd", "bwd"):
         history = state[f"amax_history_{d}"]

@@ -1,6 +1,7 @@
 """The model: TE's architecture, its PyTorch stand-in, causality, and the training loop's guards."""
 
 import dataclasses
+import os
 import pickle
 import subprocess
 import sys
@@ -290,6 +291,51 @@ def test_a_checkpoint_resumes_section_7s_loop_bitwise_and_not_without_its_fp8_st
         same = resumed == losses and all(torch.equal(a, b) for a, b in pairs)
         assert same is (kept == "everything"), kept
         assert loop[2].get_last_lr() == straight[2].get_last_lr() or kept == "no scheduler state"
+
+
+GATE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+RAN = []  # what a hostile pickle's code appends to, when it runs
+
+
+def hostile_code():
+    RAN.append("ran")
+    return {}  # no FP8 state: the load that unpickled it then fails
+
+
+class Hostile:  # unpickled, it calls hostile_code: what a pickle in a file can do
+    def __reduce__(self):
+        return hostile_code, ()
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_load_checkpoint_opens_tes_pickle_gate_for_its_own_load_alone(
+    nb, cfg, tmp_path, monkeypatch, before
+):
+    """Issue 61: TE unpickles a delayed-scaling `_extra_state` only with the variable set to 1,
+    and the stand-in's loader follows. load_checkpoint sets it for its own load, and puts back
+    what was there, after a load and after a load that fails; a caller who did not ask for it
+    (a load_state_dict of its own) is refused the hostile file's payload, which never runs."""
+    model, _ = fp8_trained(nb, cfg)  # FP8 state in every GEMM module: each load unpickles it
+    loop = (model, *nb.optimizer_and_schedule(model, cfg, 8), torch.Generator().manual_seed(0))
+    nb.save_checkpoint(path := tmp_path / "trusted.pt", *loop, step=3)
+    state = torch.load(path, weights_only=True)
+    payload = bytearray(pickle.dumps(Hostile()))
+    state["model"]["layers.0.self_attention.proj._extra_state"] = torch.frombuffer(
+        payload, dtype=torch.uint8
+    )
+    torch.save(state, hostile := tmp_path / "hostile.pt")
+    if before is None:
+        monkeypatch.delenv(GATE, raising=False)
+    else:
+        monkeypatch.setenv(GATE, before)
+    with pytest.raises(RuntimeError, match=f"{GATE}=1"):
+        twin(nb, cfg).load_state_dict(state["model"])
+    assert RAN == []  # refused before unpickling
+    assert nb.load_checkpoint(path, *loop) == 3  # the gate opened: its FP8 state loaded
+    assert os.environ.get(GATE) == before
+    with pytest.raises(KeyError):  # the payload ran (the gate was open), then the load failed
+        nb.load_checkpoint(hostile, *loop)
+    assert RAN.pop() == "ran" and os.environ.get(GATE) == before
 
 
 def test_after_an_evaluation_outside_autocast_the_stand_in_saves_no_fp8_state_as_te(nb, cfg):
