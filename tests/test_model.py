@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -286,7 +287,7 @@ def test_a_checkpoint_resumes_section_7s_loop_bitwise_and_not_without_its_fp8_st
             state["scheduler"] = build()[2].state_dict()  # a new schedule's: step 0
         torch.save(state, path)
         loop = build()
-        resumed += train(loop, total, nb.load_checkpoint(path, *loop))
+        resumed += train(loop, total, nb.load_checkpoint(path, *loop, CPU))
         pairs = zip(*map(nb.fp8_state_and_weights, (straight[0], loop[0])), strict=True)
         same = resumed == losses and all(torch.equal(a, b) for a, b in pairs)
         assert same is (kept == "everything"), kept
@@ -331,11 +332,49 @@ def test_load_checkpoint_opens_tes_pickle_gate_for_its_own_load_alone(
     with pytest.raises(RuntimeError, match=f"{GATE}=1"):
         twin(nb, cfg).load_state_dict(state["model"])
     assert RAN == []  # refused before unpickling
-    assert nb.load_checkpoint(path, *loop) == 3  # the gate opened: its FP8 state loaded
+    assert nb.load_checkpoint(path, *loop, CPU) == 3  # the gate opened: its FP8 state loaded
     assert os.environ.get(GATE) == before
     with pytest.raises(KeyError):  # the payload ran (the gate was open), then the load failed
-        nb.load_checkpoint(hostile, *loop)
+        nb.load_checkpoint(hostile, *loop, CPU)
     assert RAN.pop() == "ran" and os.environ.get(GATE) == before
+
+
+def test_a_checkpoint_saved_on_a_gpu_loads_on_a_cpu_with_its_fp8_state(nb, cfg, tmp_path):
+    """Issue 61: torch.save tags each tensor's storage with its device (location_tag, "cuda:0"
+    on a GPU); here a CPU's save tags the weights and AdamW's moments so, as a GPU's file does.
+    torch.load alone refuses it without CUDA; load_checkpoint(..., device) maps it to the CPU:
+    the weights, the scales and amax histories (on the model's device), the optimizer and the
+    schedule of the run that saved it. The batches' generator is left out (None): a CPU
+    generator takes no CUDA generator's state."""
+    model, data, recipe = twin(nb, cfg), torch.Generator().manual_seed(0), nb.delayed_scaling(cfg)
+    optimizer, schedule = nb.optimizer_and_schedule(model, cfg, 8)
+    for _ in range(3):
+        nb.train_step(model, nb.training_batch(cfg, data), optimizer, recipe)
+        schedule.step()
+    moments = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+    on_gpu = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *moments]}
+    # On a GPU the rest is on the CPU too: each `_extra_state` (a CPU byte tensor, which pickles
+    # CPU copies: module/base.py, get_extra_state) and AdamW's step counts.
+    cpu_tag = torch.serialization.location_tag
+
+    def gpu_tag(storage):
+        return "cuda:0" if storage.data_ptr() in on_gpu else cpu_tag(storage)
+
+    with mock.patch.object(torch.serialization, "location_tag", gpu_tag):
+        nb.save_checkpoint(path := tmp_path / "gpu.pt", model, optimizer, schedule, data, step=3)
+    with pytest.raises(RuntimeError, match="Attempting to deserialize object on a CUDA device"):
+        torch.load(path, weights_only=True)  # what the cell did before issue 61
+    cpu = twin(nb, dataclasses.replace(cfg, seed=1))
+    loop = (cpu, *nb.optimizer_and_schedule(cpu, cfg, 8), None)
+    assert nb.load_checkpoint(path, *loop, CPU) == 3
+    pairs = zip(*map(nb.fp8_state_and_weights, (model, cpu)), strict=True)
+    assert all(torch.equal(a, b) and b.device == CPU for a, b in pairs)
+    states = [
+        zip(optimizer.state[p].values(), loop[1].state[q].values(), strict=True)
+        for p, q in zip(model.parameters(), cpu.parameters(), strict=True)
+    ]
+    assert all(torch.equal(a, b) for state in states for a, b in state)
+    assert loop[2].get_last_lr() == schedule.get_last_lr()
 
 
 def test_after_an_evaluation_outside_autocast_the_stand_in_saves_no_fp8_state_as_te(nb, cfg):
