@@ -225,11 +225,12 @@ def test_the_whole_notebook_does_not_grow():
     DelayedScaling's state, the launch's flag and label); the probe's finite check and its BF16
     step, which sets TE_ERROR (+6); 10.8's probes in a process of their own, with cells_of
     shared with fp8_lesson.py (+12); 10.10's round timed by two CUDA events (+1), 10.8's
-    block-scaling cast compared (+0), 10.7's header (+1): 1,830. Issue 61 allows 8 more (1,838)
-    for TE's pickle gate opened per load: the stand-in's loader asks for it, as TE's does (+2);
-    load_weights (our own state dicts) and load_checkpoint each open it for their load (+2);
-    load_checkpoint maps the file onto a device and may leave the batches' generator out (+1):
-    1,834."""
+    block-scaling cast compared (+0), 10.7's header (+1): 1,830. Issue 61 allowed 8 more (1,838)
+    for TE's pickle gate opened per load and checkpoints read onto the CPU: the stand-in's
+    loader asks for the variable, as TE's does (+2); load_weights (our own state dicts) opens it
+    for its load (+1); load_checkpoint opens it for its load (+1, its `import os` gone: mock
+    patches "os.environ" by name) and may leave the batches' generator out (+1), its process-
+    wide setting gone (-1): 1,834."""
     assert sum(len(code_lines(c)) for c in code_cells()) <= 1834
 
 

@@ -188,21 +188,24 @@ def test_load_checkpoint_takes_tes_fp8_state_to_the_gpu_on_te_and_to_a_cpu_in_th
 ):
     """Issue 61: a checkpoint whose te.Linear holds FP8 state in TE's format (get_extra_state,
     module/base.py: the recipe, CPU copies of scale and amax_history each way, and fp8_meta's
-    plain values, pickled in a byte tensor), loaded by load_checkpoint onto the CPU. TE's
-    set_extra_state passes its screen (the gate open for that load), unpickles the state and
-    builds it where init_fp8_meta_tensors builds it: DelayedScalingRecipeState allocates on
-    torch.device("cuda") whatever device map_location chose (quantization.py), then copies the
-    checkpoint's CPU tensors in. The allocation needs a GPU: here it fails, after asking for
-    the CUDA device; the variable is as it was before the load. The same file on a CPU loads
-    into the stand-in's te.Linear (TE importable: the pickle names TE's recipe): its scales
-    and amax histories, on the CPU."""
+    plain values as init_fp8_metadata leaves them after an FP8 forward, pickled in a byte
+    tensor), read by load_checkpoint onto the CPU. TE's set_extra_state passes its screen (the
+    gate open for that load), unpickles the state and builds it where init_fp8_meta_tensors
+    builds it: DelayedScalingRecipeState allocates on torch.device("cuda"), whatever device the
+    file was read onto (quantization.py), then copies the checkpoint's CPU tensors in. That
+    allocation needs a GPU: here it fails, after asking for the CUDA device; the variable is as
+    it was before the load. The same file on a CPU loads into the stand-in's te.Linear (TE
+    importable: the pickle names TE's recipe): its scales and amax histories, on the CPU."""
     with cuda_device():
         layer = te.Linear(cfg.d_model, cfg.d_model, device="cpu")
     optimizer = torch.optim.AdamW(layer.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     nb.save_checkpoint(path := tmp_path / "te.pt", layer, optimizer, schedule, torch.Generator(), 3)
     history, state = cfg.amax_history_len, torch.load(path, weights_only=True)
-    fp8 = {"recipe": nb.delayed_scaling(cfg), "extra_fp8_variables": {"num_gemms": 1}}
+    recipe = nb.delayed_scaling(cfg)
+    plain = {"fp8_checkpoint": True, "num_gemms": 1, "fp8_max_fwd": recipe.fp8_format.value.max_fwd}
+    plain["fp8_max_bwd"] = recipe.fp8_format.value.max_bwd  # fp8_group (None) is not plain
+    fp8 = {"recipe": recipe, "extra_fp8_variables": plain}
     fp8 |= {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(history, 3)}
     fp8 |= {"scale_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(history, 2)}
     state["model"]["_extra_state"] = torch.frombuffer(
@@ -212,19 +215,20 @@ def test_load_checkpoint_takes_tes_fp8_state_to_the_gpu_on_te_and_to_a_cpu_in_th
     monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
     allocations = Allocations()
     with cuda_device(), allocations, pytest.raises((RuntimeError, AssertionError)):  # no GPU here
-        nb.load_checkpoint(path, layer, optimizer, schedule, None, CPU)
+        nb.load_checkpoint(path, layer, optimizer, schedule, None)
     assert allocations.devices == [torch.device("cuda")]  # TE's first: the scales' tensor
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ
     with nb.using(nb.standin):  # the same file on a CPU, into the stand-in's te.Linear
         twin = nb.standin.Linear(cfg.d_model, cfg.d_model, device=CPU)
     optimizer = torch.optim.AdamW(twin.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    assert nb.load_checkpoint(path, twin, optimizer, schedule, None, CPU) == 3
+    assert nb.load_checkpoint(path, twin, optimizer, schedule, None) == 3
     for key, value in fp8.items():
         if key.startswith(("scale_", "amax_history_")):
             direction = twin.fp8_meta[f"scaling_{key.rsplit('_', 1)[1]}"]
             loaded = getattr(direction, key.rsplit("_", 1)[0])
             assert torch.equal(loaded, value) and loaded.device == CPU, key
+    assert twin.get_extra_state().numel() > 0  # loaded since: it saves its FP8 state again
 
 
 def injected_step_passes(recipe):
