@@ -315,7 +315,8 @@ def test_load_checkpoint_opens_tes_pickle_gate_for_its_own_load_alone(
     """Issue 61: TE unpickles a delayed-scaling `_extra_state` only with the variable set to 1,
     and the stand-in's loader follows. load_checkpoint sets it for its own load, and puts back
     what was there, after a load and after a load that fails; a caller who did not ask for it
-    (a load_state_dict of its own) is refused the hostile file's payload, which never runs."""
+    (a load_state_dict of its own) is refused the hostile file's payload, which never runs. A
+    pickle outside any `_extra_state` never runs: torch.load reads weights only."""
     model, _ = fp8_trained(nb, cfg)  # FP8 state in every GEMM module: each load unpickles it
     loop = (model, *nb.optimizer_and_schedule(model, cfg, 8), torch.Generator().manual_seed(0))
     nb.save_checkpoint(path := tmp_path / "trusted.pt", *loop, step=3)
@@ -336,6 +337,10 @@ def test_load_checkpoint_opens_tes_pickle_gate_for_its_own_load_alone(
     with pytest.raises(KeyError):  # the payload ran (the gate was open), then the load failed
         nb.load_checkpoint(hostile, *loop)
     assert RAN.pop() == "ran" and os.environ.get(GATE) == before
+    torch.save({"step": Hostile()}, outside := tmp_path / "outside.pt")  # no `_extra_state`:
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        nb.load_checkpoint(outside, *loop)  # torch's weights-only reader refuses it, gate or not
+    assert RAN == []
 
 
 def test_a_checkpoint_saved_on_a_gpu_loads_on_a_cpu_with_its_fp8_state(nb, cfg, tmp_path):
