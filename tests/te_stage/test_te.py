@@ -198,8 +198,7 @@ def test_load_checkpoint_takes_tes_fp8_state_to_the_gpu_on_te_and_to_a_cpu_in_th
     importable: the pickle names TE's recipe): its scales and amax histories, on the CPU."""
     with cuda_device():
         layer = te.Linear(cfg.d_model, cfg.d_model, device="cpu")
-    optimizer = torch.optim.AdamW(layer.parameters())
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    optimizer, schedule = nb.optimizer_and_schedule(layer, cfg, 8)  # section 7's, as 10.7's
     nb.save_checkpoint(path := tmp_path / "te.pt", layer, optimizer, schedule, torch.Generator(), 3)
     history, state = cfg.amax_history_len, torch.load(path, weights_only=True)
     recipe = nb.delayed_scaling(cfg)
@@ -220,9 +219,7 @@ def test_load_checkpoint_takes_tes_fp8_state_to_the_gpu_on_te_and_to_a_cpu_in_th
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ
     with nb.using(nb.standin):  # the same file on a CPU, into the stand-in's te.Linear
         twin = nb.standin.Linear(cfg.d_model, cfg.d_model, device=CPU)
-    optimizer = torch.optim.AdamW(twin.parameters())
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    assert nb.load_checkpoint(path, twin, optimizer, schedule, None) == 3
+    assert nb.load_checkpoint(path, twin, *nb.optimizer_and_schedule(twin, cfg, 8), None) == 3
     for key, value in fp8.items():
         if key.startswith(("scale_", "amax_history_")):
             direction = twin.fp8_meta[f"scaling_{key.rsplit('_', 1)[1]}"]
