@@ -293,14 +293,44 @@ def test_one_sizes_breakdown_by_hand_is_the_notebooks(nb, cfg):
     assert found["step_speedup"] == pytest.approx((bf16 + update) / (fp8 + update))
 
 
+def test_the_launch_floor_by_hand_kernels_times_their_cost(nb, cfg):
+    """Issue 62: the host launches a step's kernels one by one. Counted in TE 2.20.2's modules'
+    code (forward and backward): a layer about 65 in BF16 (LayerNormLinear 14, attention about
+    14, Linear 5, LayerNormMLP about 22, two bias-dropout-adds about 10) and 74 in FP8 (the
+    input's transpose after the norm, the gradients' casts and transposes); the rest about 40,
+    and FP8's two scale updates 2 kernels each. At the tutorial's 128 x 2 with 5 us a launch:
+    170 and 192 launches, 0.85 and 0.96 ms, above the GPU's work on every GPU, so the step's
+    speed-up is their ratio; at 2048 x 12 the GPU's work is the longer, the roofline's."""
+    small, big = nb.sized_config(cfg, 128, 2), nb.sized_config(cfg, 2048, 12)
+    for gpu in nb.FP8_GPUS:
+        found = nb.step_estimate(small, 1024, gpu, 5.0)
+        assert (found["bf16_launch_ms"], found["fp8_launch_ms"]) == pytest.approx((0.85, 0.96))
+        assert found["bound"] == "launches" and found["step_speedup"] == pytest.approx(170 / 192)
+        roofline = nb.step_estimate(big, 1024, gpu)
+        found = nb.step_estimate(big, 1024, gpu, 5.0)
+        assert (found["bf16_launch_ms"], found["fp8_launch_ms"]) == pytest.approx((4.1, 4.66))
+        assert found["bound"] == roofline["bound"] == "GPU"
+        assert found["step_speedup"] == roofline["step_speedup"]
+    # FP8's launches above its work, BF16's below theirs (an H100 at 2048 x 12, 1,024 tokens, 12.5
+    # us a launch): the step is launch-bound, BF16's work against FP8's launches
+    found = nb.step_estimate(big, 1024, "H100", 12.5)
+    update = found["optimizer_ms"] + found["weight_casts_ms"]  # both precisions' work
+    bf16_work, fp8_work = found["bf16_gemms_ms"] + update, found["fp8_gemms_ms"] + update
+    fp8_work += found["fp8_casts_ms"]
+    assert found["bf16_launch_ms"] < bf16_work and found["fp8_launch_ms"] > fp8_work
+    assert found["bound"] == "launches"
+    assert found["step_speedup"] == pytest.approx(bf16_work / found["fp8_launch_ms"])
+
+
 def test_the_benchmark_sets_the_estimate_for_this_gpu_beside_its_timings_injected(nb, cfg, capsys):
     """Our loop around the timings, on a CPU, the GPU's name and its timings injected."""
     namespace = benchmark_namespace(nb, cfg, lambda size_cfg, run_recipe, device: 10.0)
     namespace["hw"] = nb.Hardware("NVIDIA H100 80GB HBM3", (9, 0), None)
+    namespace["launch_us"] = lambda device: 5.0  # this GPU's launch cost, as measured
     found = namespace["benchmark"](rounds=1)
     tokens = cfg.batch_size * cfg.seq_len
     assert [e["d_model"] for e in found["estimate"]] == [cfg.d_model, 512, 1024, 2048]
-    by_datasheet = nb.step_estimate(nb.sized_config(cfg, 512, 4), tokens, "H100")
+    by_datasheet = nb.step_estimate(nb.sized_config(cfg, 512, 4), tokens, "H100", 5.0)
     assert found["estimate"][1] == by_datasheet
     out = capsys.readouterr().out
     assert "estimate: " + nb.ESTIMATE_ROW.format(**by_datasheet) in out.splitlines()

@@ -230,8 +230,11 @@ def test_the_whole_notebook_does_not_grow():
     loader asks for the variable, as TE's does (+2); load_weights (our own state dicts) opens it
     for its load (+1); load_checkpoint opens it for its load (+1, its `import os` gone: mock
     patches "os.environ" by name) and may leave the batches' generator out (+1), its process-
-    wide setting gone (-1): 1,834."""
-    assert sum(len(code_lines(c)) for c in code_cells()) <= 1834
+    wide setting gone (-1): 1,834. Issue 62 allows 40 more (1,874) for small models on a GPU:
+    10.10's launch floor (the counts +3, the host's launch time +4, each precision's step at
+    least its launches +5, the plot's launch-bound sizes circled +3, the table's header moved
+    beside its row +2, the cost measured and shown +3, a title line +2): 1,856 after step 1."""
+    assert sum(len(code_lines(c)) for c in code_cells()) <= 1874
 
 
 def test_the_lesson_reads_in_45_minutes_in_colab_and_meets_fp8_early():
@@ -378,10 +381,11 @@ def test_figure_titles_are_computed_from_the_run_or_say_what_is_plotted():
 
 def test_the_benchmark_section_stays_short():
     """An estimate for every FP8 GPU Colab offers, and a timing of every recipe on a GPU; with
-    the estimate part by part (issue 45), at most 9 minutes in Colab's view."""
+    the estimate part by part (issue 45), at most 9 minutes in Colab's view; issue 62 (the launch
+    floor, CUDA graphs): 10."""
     assert 0 < section_code_lines("### 10.10") <= 160
     parts = {heading.split()[1]: cells for heading, cells in subsections(going_further()).items()}
-    assert reading_minutes(parts["10.10"]) <= 9
+    assert reading_minutes(parts["10.10"]) <= 10
 
 
 def test_the_checkpoint_section_reads_in_6_minutes():
