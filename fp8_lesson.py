@@ -561,9 +561,6 @@ def same_on_every_rank(model):  # [FP8 state, weights]: bitwise the same on ever
 
 
 # @title The stand-in's FP8 state in a state dict, as TE's `_extra_state` (stand-in)
-import pickle
-
-
 def twin_extra_state(module):  # the stand-in's get_extra_state: TE's format and rule:
     if not (meta := module.fp8_meta).get("fp8_checkpoint") or "recipe" not in meta:  # empty
         return torch.empty(0, dtype=torch.uint8)  # unless the last forward ran in FP8 (or a load)

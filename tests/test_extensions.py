@@ -25,12 +25,13 @@ def test_sized_configs_keep_the_task_with_64_channel_heads_and_smaller_steps(nb,
 
 
 def benchmark_namespace(nb, cfg, step_ms):
-    """The benchmark's cell run on a CPU, in the FP8 plan, with step_ms injected."""
+    """The benchmark's cell run on a CPU, in the FP8 plan, with step_ms injected: its time in ms
+    as step_ms(size_cfg, run_recipe, device, graphs) gives it, 100 kernels, no FP8 state."""
     (cell,) = [c for c in notebook_cells() if "def benchmark(" in source(c)]
     namespace = dict(vars(nb), cfg=cfg, device=CPU, run_recipe=None, other_recipes_here=list)
     namespace |= {"plan": nb.Plan("fp8", "te", "", {}, "DelayedScaling"), "hw": nb.Hardware("CPU")}
     exec(source(cell), namespace)  # noqa: S102 the notebook's own cell
-    namespace["step_ms"] = step_ms
+    namespace["step_ms"] = lambda *args: (step_ms(*args), 100, None)
     return namespace
 
 
@@ -38,7 +39,7 @@ def test_a_size_out_of_gpu_memory_ends_the_benchmark_there_its_timings_injected(
     """Our loop around the timings, on a CPU: step_ms is injected, and raises torch's
     out-of-memory error from d_model 1024 on; the sizes before it are kept."""
 
-    def step_ms(size_cfg, run_recipe, device):
+    def step_ms(size_cfg, run_recipe, device, graphs):
         if size_cfg.d_model >= 1024:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return 10.0
@@ -51,6 +52,7 @@ def test_a_size_out_of_gpu_memory_ends_the_benchmark_there_its_timings_injected(
         (precision, d_model, [10.0, 10.0])
         for d_model in (cfg.d_model, 512)
         for precision in ("BF16 (TE)", "FP8 DelayedScaling (TE)")
+        + ("graphed BF16 (TE)", "graphed FP8 DelayedScaling (TE)")
     ]
 
 
@@ -78,15 +80,33 @@ def gpu_events(monkeypatch):
     return log
 
 
+@pytest.fixture
+def profiler(monkeypatch):
+    """torch.profiler.profile's stand-in for a CPU (a CPU build has no CUDA activity): the
+    events of the step it profiled, 5 on the GPU and 2 on the CPU."""
+
+    @contextlib.contextmanager
+    def profile(activities):
+        assert activities == [torch.profiler.ProfilerActivity.CUDA]
+        on = [
+            types.SimpleNamespace(device_type=types.SimpleNamespace(name=n))
+            for n in ("CPU", "CUDA")
+        ]
+        yield types.SimpleNamespace(events=lambda: [on[0]] * 2 + [on[1]] * 5)
+
+    monkeypatch.setattr(torch.profiler, "profile", profile)
+
+
 def test_a_fresh_models_real_steps_are_timed_after_its_warm_up_its_events_injected(
-    nb, cfg, monkeypatch, gpu_events
+    nb, cfg, monkeypatch, gpu_events, profiler
 ):
+    """Then one more step, profiled: the kernels the GPU ran (the profiler injected)."""
     train_step = nb.train_step  # the real step, each call logged for the events' clock
     monkeypatch.setattr(
         nb, "train_step", lambda *args: gpu_events.append("call") or train_step(*args)
     )
-    assert nb.step_ms(cfg, None, CPU, warmup=1, repeats=2) == 2.0
-    assert gpu_events == ["call", "record", "call", "call", "record", "wait"]
+    assert nb.step_ms(cfg, None, CPU, warmup=1, repeats=2)[:2] == (2.0, 5)
+    assert gpu_events == ["call", "record", "call", "call", "record", "wait", "call"]
 
 
 def test_a_round_is_timed_by_two_events_and_one_wait_its_events_injected(nb, gpu_events):
@@ -97,16 +117,19 @@ def test_a_round_is_timed_by_two_events_and_one_wait_its_events_injected(nb, gpu
     assert gpu_events == ["call"] * 3 + ["record"] + ["call"] * 10 + ["record", "wait"]
 
 
-def test_the_benchmark_makes_its_batches_before_the_clock_starts_its_steps_injected(
-    nb, cfg, monkeypatch, gpu_events
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_benchmark_makes_its_batches_and_graphs_before_the_clock_starts_injected(
+    nb, cfg, monkeypatch, gpu_events, profiler, graphs
 ):
-    """step_ms, training_batch and train_step injected (they record the order of calls):
-    every batch is made before the first timed step, so no step's time includes one."""
-    calls = []
-    monkeypatch.setattr(nb, "training_batch", lambda size_cfg, data: calls.append("batch"))
+    """step_ms, training_batch, graphed and train_step injected (they record the order of
+    calls): every batch is made, and the graphs captured on the first one's inputs, before
+    the first timed step, so no step's time includes either."""
+    calls, batch = [], torch.zeros(2, 9, dtype=torch.long)
+    monkeypatch.setattr(nb, "training_batch", lambda size_cfg, data: calls.append("batch") or batch)
     monkeypatch.setattr(nb, "train_step", lambda *args: calls.append("step") or torch.zeros(1))
-    nb.step_ms(cfg, None, CPU, warmup=1, repeats=2)
-    assert calls == ["batch"] * 3 + ["step"] * 3
+    monkeypatch.setattr(nb, "graphed", lambda model, inputs, *args: calls.append(inputs.shape))
+    nb.step_ms(cfg, None, CPU, graphs, warmup=1, repeats=2)
+    assert calls == ["batch"] * 4 + [(2, 8)] * graphs + ["step"] * 4
 
 
 def test_the_inference_and_training_builds_put_the_body_in_fp8_and_the_head_outside_te_injected(
@@ -324,7 +347,7 @@ def test_the_launch_floor_by_hand_kernels_times_their_cost(nb, cfg):
 
 def test_the_benchmark_sets_the_estimate_for_this_gpu_beside_its_timings_injected(nb, cfg, capsys):
     """Our loop around the timings, on a CPU, the GPU's name and its timings injected."""
-    namespace = benchmark_namespace(nb, cfg, lambda size_cfg, run_recipe, device: 10.0)
+    namespace = benchmark_namespace(nb, cfg, lambda size_cfg, run_recipe, device, graphs: 10.0)
     namespace["hw"] = nb.Hardware("NVIDIA H100 80GB HBM3", (9, 0), None)
     namespace["launch_us"] = lambda device: 5.0  # this GPU's launch cost, as measured
     found = namespace["benchmark"](rounds=1)
@@ -340,14 +363,16 @@ def test_the_benchmark_times_section_4s_recipe_under_its_name_injected(nb, cfg):
     """The FP8 row is timed with the recipe training ran (run_recipe), not another."""
     timed_with = {}
 
-    def step_ms(size_cfg, run_recipe, device):
-        timed_with.setdefault(size_cfg.d_model, []).append(run_recipe)
+    def step_ms(size_cfg, run_recipe, device, graphs):
+        timed_with.setdefault(size_cfg.d_model, []).append((run_recipe, graphs))
         return 10.0
 
     namespace = benchmark_namespace(nb, cfg, step_ms)
     namespace["run_recipe"] = section_4s = object()
     found = namespace["benchmark"](rounds=1)
-    assert timed_with[cfg.d_model] == [None, section_4s]  # BF16, then FP8 DelayedScaling
+    eager, graphed = [(None, False), (section_4s, False)], [(None, True), (section_4s, True)]
+    assert timed_with[cfg.d_model] == timed_with[512] == eager + graphed  # BF16, then FP8
+    assert timed_with[1024] == timed_with[2048] == eager  # CUDA graphs up to 512 x 4
     assert [row["precision"] for row in found["rows"][:2]] == [
         "BF16 (TE)",
         "FP8 DelayedScaling (TE)",
@@ -355,7 +380,7 @@ def test_the_benchmark_times_section_4s_recipe_under_its_name_injected(nb, cfg):
 
 
 def test_a_gpu_without_datasheet_figures_here_gets_no_estimate_injected(nb, cfg, capsys):
-    namespace = benchmark_namespace(nb, cfg, lambda size_cfg, run_recipe, device: 10.0)
+    namespace = benchmark_namespace(nb, cfg, lambda size_cfg, run_recipe, device, graphs: 10.0)
     namespace["hw"] = nb.Hardware("NVIDIA L40S", (8, 9), None)  # not Colab's L4
     assert namespace["benchmark"](rounds=1)["estimate"] == []
     assert (
@@ -469,3 +494,42 @@ def test_max_holds_a_spike_for_its_window_and_most_recent_chases_noise(nb, trace
         for name, t in (("short", short), ("recent", recent), ("long", long))
     }
     assert on_plateau["recent"] > 5 * max(1, on_plateau["short"]) and on_plateau["long"] == 0
+
+
+def test_cuda_graphs_are_compared_with_the_same_step_eager(nb):
+    """Issue 62: each graphed step against the same precision's eager step, beside FP8 against
+    BF16 (the graphed rows are not FP8 contenders)."""
+    lines = nb.benchmark_findings(
+        timings(
+            **{
+                "BF16 (TE)": [1.0, 1.0, 1.0],
+                "FP8 DelayedScaling (TE)": [1.2, 1.2, 1.2],
+                "graphed BF16 (TE)": [0.5, 0.5, 0.5],
+                "graphed FP8 DelayedScaling (TE)": [0.4, 0.4, 0.4],
+            }
+        )
+    )
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "FP8 DelayedScaling (TE) against BF16 (TE): 0.83x its speed, slower.",
+        "graphed BF16 (TE) against BF16 (TE): 2.00x its speed, faster.",
+        "graphed FP8 DelayedScaling (TE) against FP8 DelayedScaling (TE): 3.00x its speed, faster.",
+    ]
+
+
+def test_the_graphed_fp8_steps_scales_are_set_beside_the_eager_ones_injected(nb, cfg, capsys):
+    """Our comparison, on a CPU, the FP8 states injected: per size with CUDA graphs, the largest
+    relative difference of a scale (row 1 of fp8_snapshot's columns) after the same steps."""
+    eager = torch.tensor([[1.0, 2.0, 3.0], [4.0, 8.0, 16.0]])  # amaxes, scales
+    apart = {cfg.d_model: 1e-3, 512: 0.0}
+
+    def step_ms(size_cfg, run_recipe, device, graphs):
+        state = eager.clone()
+        state[1, 2] *= 1 + apart[size_cfg.d_model] if graphs else 1
+        return 10.0, 100, state if run_recipe is not None else None
+
+    namespace = benchmark_namespace(nb, cfg, None)
+    namespace |= {"step_ms": step_ms, "run_recipe": object()}
+    found = namespace["benchmark"](rounds=1)
+    assert found["scales_apart"] == pytest.approx(apart, rel=1e-4)  # float32 scales
+    out = capsys.readouterr().out
+    assert "FP8's scales, graphed against eager: at most 1.0e-03 apart" in out

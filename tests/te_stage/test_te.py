@@ -797,21 +797,22 @@ def test_fp8_tensors_lists_the_stand_ins_gemms_where_te_is_te(nb, cfg, tmp_path)
 
 def test_10_7_builds_tes_attention_deterministic_and_leaves_the_setting_as_it_was(nb, cfg):
     """Issue 57: TE's DotProductAttention reads NVTE_ALLOW_NONDETERMINISTIC_ALGO when built
-    (its __init__ sets `deterministic`); 10.7 builds its models inside deterministic_attention,
-    so TE's attention backward is deterministic there, and a model built after it is not."""
+    (its __init__ sets `deterministic`); 10.7 builds its models inside the setting's patch, so
+    TE's attention backward is deterministic there, and a model built after it is not."""
+    setting = 'mock.patch.dict(os.environ, NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")'  # 10.7's
 
     def attention(model):
         return [m for m in model.modules() if isinstance(m, te.DotProductAttention)]
 
     assert not torch.are_deterministic_algorithms_enabled()
     with cuda_device():
-        with nb.deterministic_attention():
+        with mock.patch.dict(os.environ, NVTE_ALLOW_NONDETERMINISTIC_ALGO="0"):  # `setting`
             inside = nb.CausalLM(cfg, CPU)
         after = nb.CausalLM(cfg, CPU)
     assert attention(inside) and all(m.deterministic for m in attention(inside))
     assert not any(m.deterministic for m in attention(after))
     (cell,) = [c for c in notebook_cells() if "def resume_experiment(" in "".join(c["source"])]
-    assert "deterministic_attention():" in "".join(cell["source"])  # where its models are built
+    assert f"with {setting}:" in "".join(cell["source"])  # where its models are built
 
 
 def test_the_sentences_issue_57_corrected_are_what_tes_source_says(nb, cfg):
@@ -1282,3 +1283,81 @@ def test_10_8_compares_block_scalings_cast_where_te_refuses_only_its_gemm_quanti
         numbers = namespace["te_quantizers_vs_references"]()
     assert ("Float8BlockScaling" in numbers) == compared
     assert "Float8CurrentScaling" in numbers and "MXFP8BlockScaling" not in numbers
+
+
+@contextlib.contextmanager
+def graph_capture_undone(nb):
+    """What TE's make_graphed_callables leaves behind when its capture fails at its first CUDA
+    call (graph.py ~1695, no try/finally): its capture flag set (set_capture_start, ~1622) and
+    the model's class __call__ wrapped in its autocast (wrap_autocast, ~1659-1684); undone here."""
+    from transformer_engine.pytorch import graph
+
+    assert "__call__" not in vars(nb.CausalLM)
+    try:
+        yield graph
+    finally:
+        vars(nb.CausalLM).get("__call__") and delattr(nb.CausalLM, "__call__")
+        graph.set_capture_end()
+
+
+def a_device_with_bf16():
+    """torch.autocast("cuda", dtype=torch.bfloat16) asks whether the device has BF16, as a 9.0
+    device does (autocast_mode.py): that answer is part of "a 9.0 device exists"."""
+    return mock.patch.object(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+
+
+def test_tes_own_argument_checks_pass_the_notebooks_graph_call_and_refuse_an_old_name_beside_it(
+    nb, cfg, monkeypatch
+):
+    """Issue 62: 10.10's copy cell calls te.make_graphed_callables with TE 2.20.2's names
+    (enabled, recipe). TE's own checks of them (graph.py ~1540-1640) pass without a deprecation
+    warning: the call goes on to the capture, whose first CUDA call (~1695) fails on a CPU. The
+    same call with an old name beside its new one (fp8_recipe, recipe) is refused by TE."""
+    recipe, inputs = te_recipes.DelayedScaling(), torch.zeros(2, 8, dtype=torch.long)
+    with cuda_device(), a_device_with_bf16(), nb.using(te):
+        model = nb.CausalLM(dataclasses.replace(cfg, n_layers=1), CPU)
+        with graph_capture_undone(nb) as graph, mock.patch("warnings.warn") as warned:
+            with pytest.raises(RuntimeError, match="NVIDIA driver") as failed:
+                nb.graphed(model, inputs, recipe, torch.bfloat16)
+            assert graph.is_graph_capturing() and "__call__" in vars(nb.CausalLM)  # got that far
+        assert [f.name for f in failed.traceback][-4:-2] == ["graphed", "make_graphed_callables"]
+        assert not [c for c in warned.call_args_list if "deprecated" in str(c)]
+        real = te.make_graphed_callables
+
+        def with_the_old_name_too(*args, **kwargs):  # the notebook's call, plus fp8_recipe
+            return real(*args, **kwargs, fp8_recipe=kwargs["recipe"])
+
+        monkeypatch.setattr(te, "make_graphed_callables", with_the_old_name_too)
+        with pytest.raises(ValueError, match="deprecated `fp8_recipe` kwarg in favor of `recipe`"):
+            nb.graphed(model, inputs, recipe, torch.bfloat16)
+        assert not graph.is_graph_capturing()  # refused before the capture began
+
+
+def test_the_graphed_models_replay_sits_inside_te_autocast_with_its_recipe_injected(
+    nb, cfg, monkeypatch
+):
+    """TE's capture cannot run on a CPU: make_graphed_callables is injected, and its replay
+    records TE's FP8 state. TE registers the graphed modules' FP8 state for the scale update
+    only if FP8 is on when the replay is called (graph.py ~1307-1341), and the update runs at
+    that te.autocast's exit: section 7's train_step, as the benchmark calls it on a graphed
+    model, replays it with FP8 on and the same recipe."""
+    manager, recipe, replayed = quantization.FP8GlobalStateManager, te_recipes.DelayedScaling(), []
+
+    def make_graphed_callables(module, sample_args, enabled, recipe):  # TE's, injected
+        def replay(idx):
+            replayed.append((manager.is_fp8_enabled(), manager.get_fp8_recipe()))
+            return torch.zeros(*idx.shape, cfg.vocab_size, requires_grad=True)
+
+        module.forward = replay
+        return module
+
+    monkeypatch.setattr(te, "make_graphed_callables", make_graphed_callables)
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    with cuda_device(), nb.using(te):
+        model = nb.CausalLM(dataclasses.replace(cfg, n_layers=1), CPU)
+        with a_device_with_bf16():
+            nb.graphed(model, batch[:, :-1], recipe, torch.bfloat16)
+        optimizer = torch.optim.SGD(model.parameters())  # AdamW asks for the GPU's stream
+        nb.train_step(model, batch, optimizer, recipe, torch.bfloat16)
+    assert replayed == [(True, recipe)]
+    assert not manager.is_fp8_enabled()
