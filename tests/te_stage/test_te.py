@@ -1361,3 +1361,18 @@ def test_the_graphed_models_replay_sits_inside_te_autocast_with_its_recipe_injec
         nb.train_step(model, batch, optimizer, recipe, torch.bfloat16)
     assert replayed == [(True, recipe)]
     assert not manager.is_fp8_enabled()
+
+
+def test_the_benchmark_undoes_a_failed_capture_that_te_leaves_behind(nb, cfg):
+    """10.10's step_ms on a CPU, with graphs: TE's real capture fails at its first CUDA call
+    (graph.py ~1695) after setting its capture flag (~1622, which skips backward scale updates in
+    TE's modules) and wrapping CausalLM's __call__ in an autocast with FP8 off for any model but
+    the captured one (~1659-1684); TE undoes both only when the capture succeeds (~1727-1734).
+    step_ms undoes them either way, so the sections after the benchmark train as they should."""
+    from transformer_engine.pytorch import graph
+
+    small = dataclasses.replace(cfg, n_layers=1)
+    with cuda_device(), a_device_with_bf16(), nb.using(te):
+        with pytest.raises(RuntimeError, match="NVIDIA driver"):
+            nb.step_ms(small, te_recipes.DelayedScaling(), CPU, graphs=True)
+    assert not graph.is_graph_capturing() and "__call__" not in vars(nb.CausalLM)
