@@ -1369,10 +1369,8 @@ def test_the_benchmark_undoes_a_failed_capture_that_te_leaves_behind(nb, cfg):
     TE's modules) and wrapping CausalLM's __call__ in an autocast with FP8 off for any model but
     the captured one (~1659-1684); TE undoes both only when the capture succeeds (~1727-1734).
     step_ms undoes them either way, so the sections after the benchmark train as they should."""
-    from transformer_engine.pytorch import graph
-
     small = dataclasses.replace(cfg, n_layers=1)
-    with cuda_device(), a_device_with_bf16(), nb.using(te):
+    with cuda_device(), a_device_with_bf16(), nb.using(te), graph_capture_undone(nb) as graph:
         with pytest.raises(RuntimeError, match="NVIDIA driver"):
             nb.step_ms(small, te_recipes.DelayedScaling(), CPU, graphs=True)
-    assert not graph.is_graph_capturing() and "__call__" not in vars(nb.CausalLM)
+        assert not graph.is_graph_capturing() and "__call__" not in vars(nb.CausalLM)
